@@ -1,0 +1,210 @@
+"""Typed configuration: the one place user input is validated.
+
+`load_config(path_or_dict)` is the only entry point. It accepts a YAML file path, a YAML string's parsed
+dict, or `None` (the embedded default). Every invalid input raises `ConfigError` *before* anything is
+allocated, naming the key, the bad value and what is allowed. After loading, `cpu_bytes` is always an int.
+
+Invariants of a loaded `OffloadConfig`:
+- every int field is within its documented range (see docs/configuration.md);
+- `cpu_bytes` > 0 (bytes); `num_cpu_blocks`, when set, is >= 2 (block 0 is the reserved null block);
+- unknown keys never survive (msgspec `forbid_unknown_fields`).
+
+This module imports nothing from the project and no torch.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class ConfigError(ValueError):
+    """Invalid configuration: the message names the key, the bad value and what is allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str, detail: str = "") -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        msg = f"invalid config key '{key}': got {value!r}; allowed: {allowed}"
+        super().__init__(msg + (f" ({detail})" if detail else ""))
+
+
+class TransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    backend: Literal["auto", "cuda", "cpu"] = "auto"
+    num_streams: PositiveInt = 2
+
+
+class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Shape and size of the fake engine (replay, tests). Ignored under vLLM, which brings its own."""
+
+    num_gpu_blocks: Annotated[int, msgspec.Meta(ge=2)] = 1024
+    block_size: PositiveInt = 16
+    num_layers: PositiveInt = 2
+    num_kv_heads: PositiveInt = 2
+    head_dim: PositiveInt = 8
+    dtype: Literal["float32", "float16", "bfloat16"] = "float16"
+    max_num_batched_tokens: PositiveInt = 4096
+    max_num_seqs: PositiveInt = 64
+
+
+class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    cpu_bytes: int | str = "8GiB"
+    num_cpu_blocks: Annotated[int, msgspec.Meta(ge=2)] | None = None
+    store_policy: Literal["eager", "lazy"] = "eager"
+    lazy_lookahead_blocks: NonNegativeInt | None = None
+    eviction: Literal["lru"] = "lru"
+    transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
+    hash_algo: Literal["xxh3_128", "sha256"] = "xxh3_128"
+    metrics: bool = True
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+SIZE_ALLOWED = 'a positive int (bytes) or a string like "512MiB", "8GiB", "8GB"'
+
+
+def parse_size(key: str, value: int | str) -> int:
+    """Parse a size (int bytes or "8GiB"-style string) into a positive int, or raise ConfigError."""
+    if isinstance(value, bool):
+        raise ConfigError(key, value, SIZE_ALLOWED)
+    if isinstance(value, int):
+        size = value
+    else:
+        m = _SIZE_RE.match(value)
+        if m is None:
+            raise ConfigError(key, value, SIZE_ALLOWED, "malformed size string")
+        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+    if size <= 0:
+        raise ConfigError(key, value, SIZE_ALLOWED, "size must be positive")
+    return size
+
+
+def _resolve_field(path: list[str]) -> tuple[Any, Any]:
+    """Walk `path` through the Struct types; return (owning struct type, field annotation or None)."""
+    owner: Any = OffloadConfig
+    annotation: Any = None
+    for name in path:
+        hints = typing.get_type_hints(owner, include_extras=True) if _is_struct(owner) else {}
+        annotation = hints.get(name)
+        nxt = _struct_in(annotation)
+        if nxt is not None and name != path[-1]:
+            owner = nxt
+    return owner, annotation
+
+
+def _is_struct(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
+
+
+def _struct_in(annotation: Any) -> Any:
+    if _is_struct(annotation):
+        return annotation
+    for arg in typing.get_args(annotation):
+        if _is_struct(arg):
+            return arg
+    return None
+
+
+def _describe(annotation: Any) -> str:
+    """Human description of the values an annotation admits."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(annotation))
+    if origin is Annotated:
+        base, *metas = typing.get_args(annotation)
+        bounds = [f">= {m.ge}" for m in metas if isinstance(m, msgspec.Meta) and m.ge is not None]
+        return f"{_describe(base)} {' '.join(bounds)}".strip()
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " or ".join(_describe(a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return "null"
+    if _is_struct(annotation):
+        return f"a mapping with keys {', '.join(annotation.__struct_fields__)}"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _lookup(data: Any, path: list[str]) -> Any:
+    for name in path:
+        if not isinstance(data, Mapping) or name not in data:
+            return None
+        data = data[name]
+    return data
+
+
+_AT_RE = re.compile(r" - at `\$(.*)`$")
+_UNKNOWN_RE = re.compile(r"Object contains unknown field `([^`]*)`")
+
+
+def _translate(err: msgspec.ValidationError, data: Mapping[str, Any]) -> ConfigError:
+    text = str(err)
+    m = _AT_RE.search(text)
+    path = [p for p in (m.group(1) if m else "").split(".") if p]
+    unknown = _UNKNOWN_RE.search(text)
+    if unknown:
+        owner = _struct_in(_resolve_field(path)[1]) if path else OffloadConfig
+        key = ".".join(path + [unknown.group(1)])
+        return ConfigError(key, _lookup(data, path + [unknown.group(1)]),
+                           f"known keys here: {', '.join(owner.__struct_fields__)}", "unknown key")
+    _, annotation = _resolve_field(path)
+    key = ".".join(path) or "<root>"
+    return ConfigError(key, _lookup(data, path), _describe(annotation), _AT_RE.sub("", text))
+
+
+def _validate(cfg: OffloadConfig) -> OffloadConfig:
+    cfg.cpu_bytes = parse_size("cpu_bytes", cfg.cpu_bytes)
+    return cfg
+
+
+def default_config_dict() -> dict[str, Any]:
+    """The embedded default configuration (offload_connector/default.yaml) as a dict."""
+    text = resources.files("offload_connector").joinpath("default.yaml").read_text()
+    return yaml.safe_load(text) or {}
+
+
+def load_config(path_or_dict: str | Path | Mapping[str, Any] | None = None) -> OffloadConfig:
+    """Load and validate a config from a YAML path, a mapping, or None (embedded default).
+
+    Keys missing from the input take the documented defaults. Raises ConfigError on any bad input.
+    """
+    if path_or_dict is None:
+        data: Any = default_config_dict()
+    elif isinstance(path_or_dict, Mapping):
+        data = dict(path_or_dict)
+    else:
+        path = Path(path_or_dict)
+        if not path.is_file():
+            raise ConfigError("config_file", str(path_or_dict), "a path to an existing YAML file")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError("config_file", str(path_or_dict), "a valid YAML mapping", str(exc)) from exc
+    if not isinstance(data, Mapping):
+        raise ConfigError("<root>", data, "a mapping of config keys")
+    try:
+        cfg = msgspec.convert(data, OffloadConfig, strict=True)
+    except msgspec.ValidationError as err:
+        raise _translate(err, data) from None
+    return _validate(cfg)
+
+
+def merge_configs(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep-merge two config dicts; `override` wins key by key (used for inline vLLM extra config)."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge_configs(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,69 @@
+"""What the two sides exchange each engine step. Flat msgspec Structs of ints and strings.
+
+Direction words: *store* is GPU->CPU, *load* is CPU->GPU (never swap/spill/fetch).
+
+- `TransferMetadata`: scheduler -> workers, once per step. All loads of a step form one load event and
+  all stores one store event. `load_gpu_blocks[i]` receives `load_cpu_blocks[i]`; `store_gpu_blocks[i]`
+  is copied into `store_cpu_blocks[i]`. `load_req_gpu_blocks[j]` tells worker which of the load's GPU
+  blocks belong to `load_event_reqs[j]` (a count, the blocks being listed request by request).
+  Invariants: equal lengths per pair of lists; no GPU block appears twice in a step's loads; a store's GPU
+  blocks hold KV that this step's forward has completed once it has run.
+- `WorkerReport`: one worker rank -> scheduler, once per step. With tensor parallelism each rank reports
+  separately; the scheduler counts an event complete only when every rank has reported it.
+
+Imports nothing from the project and no torch.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class TransferMetadata(msgspec.Struct, kw_only=True):
+    load_event: int | None = None
+    load_gpu_blocks: list[int] = msgspec.field(default_factory=list)
+    load_cpu_blocks: list[int] = msgspec.field(default_factory=list)
+    load_event_reqs: list[str] = msgspec.field(default_factory=list)
+    load_req_num_blocks: list[int] = msgspec.field(default_factory=list)
+    store_event: int | None = None
+    store_gpu_blocks: list[int] = msgspec.field(default_factory=list)
+    store_cpu_blocks: list[int] = msgspec.field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.load_event is None and self.store_event is None
+
+
+class WorkerReport(msgspec.Struct, kw_only=True):
+    """Completions seen by one worker rank since its previous report."""
+
+    finished_load_reqs: list[str] = msgspec.field(default_factory=list)
+    completed_store_events: list[int] = msgspec.field(default_factory=list)
+    failed_store_events: list[int] = msgspec.field(default_factory=list)
+    failed_load_gpu_blocks: list[int] = msgspec.field(default_factory=list)
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    store_seconds: float = 0.0
+    load_seconds: float = 0.0
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.finished_load_reqs or self.completed_store_events or self.failed_store_events
+                    or self.failed_load_gpu_blocks)
+
+
+_meta_encoder = msgspec.msgpack.Encoder()
+_meta_decoder = msgspec.msgpack.Decoder(TransferMetadata)
+_report_decoder = msgspec.msgpack.Decoder(WorkerReport)
+
+
+def encode(obj: TransferMetadata | WorkerReport) -> bytes:
+    return _meta_encoder.encode(obj)
+
+
+def decode_metadata(data: bytes) -> TransferMetadata:
+    return _meta_decoder.decode(data)
+
+
+def decode_report(data: bytes) -> WorkerReport:
+    return _report_decoder.decode(data)

@@ -1,0 +1,142 @@
+"""A pool of KV blocks of one tier with ref counts, an LRU free queue and a prefix-cache map.
+
+Used for our CPU tier and, in the fake engine, as the engine's GPU pool.
+
+Invariants (checked by `check_integrity()`):
+- block 0 is the reserved null block: never handed out, never freed, never in the free queue;
+- every other block is either in the free queue (ref_cnt == 0) or held (ref_cnt > 0), never both;
+- `cached` maps a hash to the block holding that content, and that block's `block_hash` equals the key;
+  a cached block may be free (evictable, hit-able) or held;
+- allocation pops the LRU head and, if the popped block was cached, drops it from `cached` first.
+
+A failed `allocate` changes nothing. Only the owner of a reference may `free` it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from scheduler_side.free_queue import Block, FreeBlockQueue
+
+
+class PoolError(RuntimeError):
+    """Misuse of a block pool (double free, touching the null block): always a caller bug."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, on_evict: Callable[[bytes], None] | None = None) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1  # permanently held, so it can never enter the free queue
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached: dict[bytes, Block] = {}
+        self.on_evict = on_evict
+        self.num_evictions = 0
+
+    # --- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks currently held (not in the free queue)."""
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        return self.cached.get(block_hash)
+
+    # --- state changes -------------------------------------------------------------------------
+    def allocate(self, num: int) -> list[Block] | None:
+        """Take `num` blocks from the LRU head (ref_cnt 1, no hash), evicting cached ones; None if short."""
+        if num > self.free_queue.num_free_blocks:
+            return None
+        out = []
+        for _ in range(num):
+            block = self.free_queue.popleft()
+            self._drop_hash(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take one more reference on each block, removing it from the free queue if it was free."""
+        for block in blocks:
+            if block is self.null_block:
+                raise PoolError("touch of the null block 0 (caller bug)")
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[Block], front: bool = False) -> None:
+        """Drop one reference on each block; blocks reaching zero enter the free queue.
+
+        By default at the tail (most recently used); with `front=True` at the head (evicted first).
+        """
+        for block in blocks:
+            if block is self.null_block:
+                raise PoolError("free of the null block 0 (caller bug)")
+            if block.ref_cnt <= 0:
+                raise PoolError(f"double free of {block} (caller bug)")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if front:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
+
+    def cache(self, block: Block, block_hash: bytes) -> bool:
+        """Register `block` as holding `block_hash`. False (no change) if another block already does."""
+        current = self.cached.get(block_hash)
+        if current is not None and current is not block:
+            return False
+        if block.block_hash is not None and block.block_hash != block_hash:
+            self._drop_hash(block)
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+        return True
+
+    def uncache(self, block: Block) -> None:
+        """Forget `block`'s content (it will not be hit again)."""
+        self._drop_hash(block)
+
+    def _drop_hash(self, block: Block) -> None:
+        h = block.block_hash
+        if h is None:
+            return
+        block.block_hash = None
+        if self.cached.get(h) is block:
+            del self.cached[h]
+            self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(h)
+
+    # --- checks --------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Raise if any invariant in the module docstring is broken. O(num_blocks): tests and idle only."""
+        in_queue = set()
+        for block in self.free_queue:
+            if block.ref_cnt != 0:
+                raise PoolError(f"{block} is in the free queue with ref_cnt {block.ref_cnt}")
+            if block.block_id in in_queue:
+                raise PoolError(f"{block} appears twice in the free queue")
+            in_queue.add(block.block_id)
+        if len(in_queue) != self.free_queue.num_free_blocks:
+            raise PoolError(f"free queue holds {len(in_queue)} blocks but counts {self.num_free_blocks}")
+        if 0 in in_queue or self.null_block.ref_cnt != 1:
+            raise PoolError("the null block 0 was handed out or freed")
+        for block in self.blocks[1:]:
+            if block.ref_cnt < 0:
+                raise PoolError(f"{block} has a negative ref count")
+            if block.ref_cnt == 0 and block.block_id not in in_queue:
+                raise PoolError(f"{block} is neither free nor held (leaked)")
+        for h, block in self.cached.items():
+            if block.block_hash != h:
+                raise PoolError(f"cache map entry for {block} does not match its hash")
+
+    def num_held_blocks(self) -> int:
+        """Blocks (other than the null block) with ref_cnt > 0."""
+        return self.num_blocks - 1 - self.num_free_blocks

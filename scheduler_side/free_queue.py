@@ -1,0 +1,95 @@
+"""An O(1) doubly-linked LRU queue of free blocks, threaded through the block objects themselves.
+
+Order: the head is the least recently used block (evicted first), the tail the most recently freed.
+- `popleft()` takes the head (allocation), `remove(block)` unlinks from the middle (a touch on a cached
+  block), `append(block)` puts a freed block at the tail, `appendleft(block)` at the head (blocks that
+  are worthless to keep, e.g. whose data failed to arrive).
+- Sentinel head and tail nodes mean no branch on empty/ends. No allocation after construction.
+- A block is in the queue iff its `prev`/`next` links are set; only this class touches those links.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+
+class Block:
+    """A block of one tier. Created once at startup; moved between the free queue and users.
+
+    `ref_cnt` counts holders (requests and in-flight transfers). `block_hash` is the cache key the
+    block's contents answer to, or None. A block with ref_cnt > 0 is never in the free queue.
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+    def __repr__(self) -> str:
+        h = self.block_hash.hex()[:8] if self.block_hash else None
+        return f"Block(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h})"
+
+
+class FreeBlockQueue:
+    def __init__(self, blocks: list[Block]) -> None:
+        self._head = Block(-1)
+        self._tail = Block(-2)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self.num_free_blocks
+
+    def popleft(self) -> Block:
+        block = self._head.next
+        if block is self._tail or block is None:
+            raise RuntimeError("FreeBlockQueue.popleft on an empty queue (caller must check len first)")
+        self._unlink(block)
+        return block
+
+    def remove(self, block: Block) -> None:
+        if block.prev is None or block.next is None:
+            raise RuntimeError(f"FreeBlockQueue.remove: {block} is not in the free queue (our bug)")
+        self._unlink(block)
+
+    def append(self, block: Block) -> None:
+        self._link_before(block, self._tail)
+
+    def appendleft(self, block: Block) -> None:
+        first = self._head.next
+        if first is None:
+            raise RuntimeError("FreeBlockQueue: broken head sentinel (our bug)")
+        self._link_before(block, first)
+
+    def __iter__(self) -> Iterator[Block]:
+        """Blocks from the eviction frontier (head) towards the most recently freed (tail)."""
+        node = self._head.next
+        while node is not None and node is not self._tail:
+            nxt = node.next
+            yield node
+            node = nxt
+
+    def _link_before(self, block: Block, anchor: Block) -> None:
+        if block.prev is not None or block.next is not None:
+            raise RuntimeError(f"FreeBlockQueue: {block} is already in the free queue (our bug)")
+        prev = anchor.prev
+        if prev is None:
+            raise RuntimeError("FreeBlockQueue: broken sentinel links (our bug)")
+        block.prev, block.next = prev, anchor
+        prev.next = block
+        anchor.prev = block
+        self.num_free_blocks += 1
+
+    def _unlink(self, block: Block) -> None:
+        prev, nxt = block.prev, block.next
+        if prev is None or nxt is None:
+            raise RuntimeError(f"FreeBlockQueue: {block} has broken links (our bug)")
+        prev.next, nxt.prev = nxt, prev
+        block.prev = block.next = None
+        self.num_free_blocks -= 1

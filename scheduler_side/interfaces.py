@@ -1,0 +1,69 @@
+"""The narrow interfaces the scheduler side needs from the engine it serves.
+
+- `RequestLike`: what we read from an engine request (vLLM's `Request` satisfies it as is).
+- `GpuPool`: the engine's GPU block pool, borrowed. We only ever take and drop our *own* references
+  (`touch`/`free`) and read the free queue's order for lazy stores; the engine owns everything else.
+- `StepRequest`: one scheduled request of this step, as `build_connector_meta` needs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, Protocol
+
+from scheduler_side.block_pool import BlockPool
+
+
+class RequestLike(Protocol):
+    request_id: str
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def block_hashes(self) -> Sequence[bytes]: ...
+
+
+class GpuPool(Protocol):
+    def touch(self, gpu_block_ids: Sequence[int]) -> None:
+        """Take one reference on each block (a block in the free queue leaves it)."""
+
+    def free(self, gpu_block_ids: Sequence[int], front: bool = False) -> None:
+        """Drop one of our references; at zero the block enters the free queue (tail, or head if front)."""
+
+    def eviction_candidates(self) -> Iterator[tuple[int, bytes]]:
+        """(gpu_block_id, cache key) of free, hashed blocks, from the eviction frontier onwards."""
+
+
+class StepRequest(NamedTuple):
+    """One request scheduled this step.
+
+    `new_gpu_block_ids` are appended to what the connector knows of the request's blocks; with
+    `replace_blocks` they are the request's whole block list (new or resumed requests).
+    `num_computed_tokens` is the count *after* this step's forward has run.
+    """
+
+    request_id: str
+    new_gpu_block_ids: Sequence[int]
+    num_computed_tokens: int
+    replace_blocks: bool = False
+
+
+class BlockPoolGpuView:
+    """`GpuPool` over our own `BlockPool` (the fake engine's GPU pool)."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+
+    def touch(self, gpu_block_ids: Sequence[int]) -> None:
+        blocks = self.pool.blocks
+        self.pool.touch(blocks[i] for i in gpu_block_ids)
+
+    def free(self, gpu_block_ids: Sequence[int], front: bool = False) -> None:
+        blocks = self.pool.blocks
+        self.pool.free((blocks[i] for i in gpu_block_ids), front=front)
+
+    def eviction_candidates(self) -> Iterator[tuple[int, bytes]]:
+        for block in self.pool.free_queue:
+            if block.block_hash is not None:
+                yield block.block_id, block.block_hash
