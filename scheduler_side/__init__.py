@@ -1,0 +1,13 @@
+"""The scheduler side: decides which blocks move between the engine's GPU pool and our CPU tier.
+
+Imports no torch. Public API: `OffloadScheduler`, `BlockPool`, the interfaces it needs from an engine.
+"""
+
+from scheduler_side.block_pool import BlockPool, PoolError
+from scheduler_side.connector import KVEvent, OffloadScheduler, SchedulerError
+from scheduler_side.interfaces import BlockPoolGpuView, GpuPool, RequestLike, StepRequest
+
+__all__ = [
+    "BlockPool", "BlockPoolGpuView", "GpuPool", "KVEvent", "OffloadScheduler", "PoolError",
+    "RequestLike", "SchedulerError", "StepRequest",
+]

@@ -74,8 +74,11 @@ class BlockPool:
     def free(self, blocks: Iterable[Block], front: bool = False) -> None:
         """Drop one reference on each block; blocks reaching zero enter the free queue.
 
-        By default at the tail (most recently used); with `front=True` at the head (evicted first).
+        By default at the tail (most recently used); with `front=True` at the head (evicted first), the
+        first listed block ending up nearest the head.
         """
+        if front:
+            blocks = reversed(list(blocks))
         for block in blocks:
             if block is self.null_block:
                 raise PoolError("free of the null block 0 (caller bug)")

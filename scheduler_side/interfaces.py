@@ -31,8 +31,8 @@ class GpuPool(Protocol):
     def free(self, gpu_block_ids: Sequence[int], front: bool = False) -> None:
         """Drop one of our references; at zero the block enters the free queue (tail, or head if front)."""
 
-    def eviction_candidates(self) -> Iterator[tuple[int, bytes]]:
-        """(gpu_block_id, cache key) of free, hashed blocks, from the eviction frontier onwards."""
+    def eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
+        """(gpu_block_id, cache key or None) of free blocks, from the eviction frontier onwards."""
 
 
 class StepRequest(NamedTuple):
@@ -63,7 +63,6 @@ class BlockPoolGpuView:
         blocks = self.pool.blocks
         self.pool.free((blocks[i] for i in gpu_block_ids), front=front)
 
-    def eviction_candidates(self) -> Iterator[tuple[int, bytes]]:
+    def eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         for block in self.pool.free_queue:
-            if block.block_hash is not None:
-                yield block.block_id, block.block_hash
+            yield block.block_id, block.block_hash

@@ -1,0 +1,1 @@
+"""Bundled data: the Mooncake synthetic trace (Apache-2.0, see NOTICE)."""

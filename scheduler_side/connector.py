@@ -1,0 +1,364 @@
+"""The scheduler side of the connector: decides what moves between the GPU pool and our CPU tier.
+
+It owns the CPU `BlockPool` (prefix cache keyed by block hash + group id) and borrows the engine's GPU pool
+through `GpuPool`. Per engine step, in vLLM's order (SPEC §4):
+1. `get_num_new_matched_tokens`: CPU lookup after the GPU hit; pins the hit's CPU blocks (pending hit).
+2. `update_state_after_alloc`: turns the pending hit into a load job onto the new GPU blocks.
+3. `build_connector_meta`: one load event for all new load jobs, one store event for the chosen stores.
+4. `update_connector_output`: worker reports complete loads and stores (stores register CPU blocks).
+5. `request_finished`: never delays the engine's block free; our references keep in-flight blocks alive.
+
+Reference ownership (the invariant that makes abort/preempt/finish safe at any point):
+- a pending hit holds one reference on each of its CPU blocks;
+- a load job holds one reference on each of its GPU and CPU blocks until its completion is reported;
+- a store event holds one reference on each of its GPU and CPU blocks until every rank reported it.
+No block with a transfer in flight is therefore ever in a free queue. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from offload_connector.config import OffloadConfig
+from offload_connector.hashing import with_group_id
+from offload_connector.metadata import TransferMetadata, WorkerReport
+from scheduler_side.block_pool import BlockPool
+from scheduler_side.free_queue import Block
+from scheduler_side.interfaces import GpuPool, RequestLike, StepRequest
+from scheduler_side.request_state import LoadJob, PendingHit, RequestState
+from scheduler_side.stats import SchedulerStats
+from scheduler_side.store_policy import StorePolicy, make_store_policy
+
+logger = logging.getLogger(__name__)
+
+
+class SchedulerError(RuntimeError):
+    """Misuse of the scheduler-side API (unknown request or event): a caller bug, state left unchanged."""
+
+
+@dataclass(slots=True)
+class StoreEvent:
+    """One step's stores. Holds one reference on every GPU and CPU block listed until complete."""
+
+    event_id: int
+    gpu_block_ids: list[int]
+    cpu_blocks: list[Block]
+    keys: list[bytes]
+    num_reports: int = 0
+    failed: bool = False
+
+
+@dataclass(slots=True)
+class KVEvent:
+    """A change of the CPU tier's contents, for routers (vLLM's BlockStored/BlockRemoved, medium CPU)."""
+
+    kind: str  # "stored" | "removed"
+    block_hash: bytes  # the cache key (block hash + group id)
+
+
+@dataclass
+class OffloadScheduler:
+    config: OffloadConfig
+    block_size: int
+    num_cpu_blocks: int
+    gpu_pool: GpuPool
+    world_size: int = 1
+    group_id: int = 0
+    max_blocks_per_step: int | None = None  # the engine's allocation bound per step (lazy lookahead)
+    cpu_pool: BlockPool = field(init=False)
+    stats: SchedulerStats = field(init=False, default_factory=SchedulerStats)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.world_size <= 0:
+            raise ValueError(f"block_size={self.block_size} and world_size={self.world_size} must be positive")
+        self.cpu_pool = BlockPool(self.num_cpu_blocks, on_evict=self._on_cpu_evict)
+        self._requests: dict[str, RequestState] = {}
+        self._loads_to_send: list[RequestState] = []  # load jobs created since the last metadata
+        self._store_events: dict[int, StoreEvent] = {}
+        self._inflight_store_keys: dict[bytes, Block] = {}  # keys being stored now -> CPU block
+        self._next_load_event = 0
+        self._next_store_event = 0
+        self._kv_events: list[KVEvent] = []
+        self.policy: StorePolicy = make_store_policy(self.config, self)
+
+    # ------------------------------------------------------------------ 1. lookup
+    def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """CPU hit after the engine's GPU hit: (tokens to load, load is async), or (None, False) to retry.
+
+        The hit is the longest run of consecutive cached blocks starting at the GPU hit, capped so that at
+        least one prompt token is still computed. Its CPU blocks are pinned until allocation.
+        """
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = RequestState(request)
+        elif state.load is not None:
+            raise SchedulerError(f"lookup for request {request.request_id} while its load is in flight")
+        self._drop_pending_hit(state)
+        state.finished = False
+        self.stats.num_lookups += 1
+
+        bs = self.block_size
+        if num_computed_tokens % bs:
+            return 0, False  # a partial GPU hit: the CPU run could not start on a block boundary
+        hashes = request.block_hashes
+        first = num_computed_tokens // bs
+        last = min(len(hashes), (request.num_tokens - 1) // bs)  # keep >= 1 token to compute
+        self.stats.num_lookup_tokens += max(0, request.num_tokens - num_computed_tokens)
+        hits: list[Block] = []
+        for i in range(first, last):
+            key = with_group_id(hashes[i], self.group_id)
+            block = self.cpu_pool.lookup(key)
+            if block is None:
+                if not hits and key in self._inflight_store_keys:
+                    return None, False  # its store completes soon: ask again next step
+                break
+            hits.append(block)
+        if not hits:
+            return 0, False
+        self.cpu_pool.touch(hits)
+        state.pending_hit = PendingHit(hits, num_computed_tokens)
+        return len(hits) * bs, True
+
+    def _drop_pending_hit(self, state: RequestState) -> None:
+        if state.pending_hit is not None:
+            self.cpu_pool.free(state.pending_hit.cpu_blocks)
+            state.pending_hit = None
+
+    # ------------------------------------------------------------------ 2. after allocation
+    def update_state_after_alloc(
+        self, request: RequestLike, gpu_block_ids: Sequence[int], num_external_tokens: int
+    ) -> None:
+        """Map the pending hit onto the newly allocated GPU blocks and start tracking the request.
+
+        `gpu_block_ids` are all of the request's blocks (GPU-hit ones first), as vLLM passes them.
+        """
+        state = self._requests.get(request.request_id)
+        if state is None:
+            if num_external_tokens:
+                raise SchedulerError(
+                    f"update_state_after_alloc: request {request.request_id} claims {num_external_tokens} "
+                    "external tokens but was never looked up"
+                )
+            state = self._requests[request.request_id] = RequestState(request)
+        state.finished = False
+        state.gpu_block_ids = list(gpu_block_ids)
+        state.num_store_checked_blocks = 0
+        hit = state.pending_hit
+        state.pending_hit = None
+        if num_external_tokens == 0:
+            if hit is not None:
+                self.cpu_pool.free(hit.cpu_blocks)
+            return
+        if hit is None:
+            raise SchedulerError(
+                f"update_state_after_alloc: request {request.request_id} claims {num_external_tokens} "
+                "external tokens but has no pending CPU hit"
+            )
+        n = num_external_tokens // self.block_size
+        if n * self.block_size != num_external_tokens or n > len(hit.cpu_blocks):
+            self.cpu_pool.free(hit.cpu_blocks)
+            raise SchedulerError(
+                f"request {request.request_id}: {num_external_tokens} external tokens do not match the "
+                f"pending hit of {len(hit.cpu_blocks)} blocks of {self.block_size} tokens"
+            )
+        self.cpu_pool.free(hit.cpu_blocks[n:])  # the engine took less than we offered
+        start = hit.num_computed_tokens // self.block_size
+        gpu_ids = list(gpu_block_ids[start:start + n])
+        if len(gpu_ids) != n:
+            self.cpu_pool.free(hit.cpu_blocks[:n])
+            raise SchedulerError(
+                f"request {request.request_id}: {len(gpu_block_ids)} GPU blocks cannot hold a load of {n} "
+                f"blocks after {start} GPU-hit blocks"
+            )
+        self.gpu_pool.touch(gpu_ids)  # the CPU references move from the pending hit to the job
+        state.load = LoadJob(gpu_ids, hit.cpu_blocks[:n])
+        self.stats.num_hit_tokens += num_external_tokens
+        self._loads_to_send.append(state)
+        self.policy.on_load_scheduled(state.load)
+
+    # ------------------------------------------------------------------ 3. step metadata
+    def build_connector_meta(self, scheduled: Iterable[StepRequest]) -> TransferMetadata:
+        """This step's transfers: all new loads as one event, the chosen stores as another."""
+        meta = TransferMetadata()
+        if self._loads_to_send:
+            meta.load_event = self._next_load_event
+            self._next_load_event += 1
+            for state in self._loads_to_send:
+                job = state.load
+                if job is None or job.event_id is not None:
+                    raise SchedulerError(f"request {state.request_id} queued for load without a fresh job")
+                job.event_id = meta.load_event
+                meta.load_gpu_blocks.extend(job.gpu_block_ids)
+                meta.load_cpu_blocks.extend(b.block_id for b in job.cpu_blocks)
+                meta.load_event_reqs.append(state.request_id)
+                meta.load_req_num_blocks.append(job.num_blocks)
+                self.stats.num_loaded_blocks += job.num_blocks
+            self._loads_to_send.clear()
+
+        for step in scheduled:
+            state = self._requests.get(step.request_id)
+            if state is None:
+                continue  # the engine schedules requests the connector never saw (e.g. no lookup)
+            if step.replace_blocks:
+                state.gpu_block_ids = list(step.new_gpu_block_ids)
+            else:
+                state.gpu_block_ids.extend(step.new_gpu_block_ids)
+            self.policy.on_scheduled(state, step.num_computed_tokens)
+
+        gpu_ids, keys = self.policy.select_stores()
+        if gpu_ids:
+            self._emit_store(meta, gpu_ids, keys)
+        return meta
+
+    def _emit_store(self, meta: TransferMetadata, gpu_ids: list[int], keys: list[bytes]) -> None:
+        cpu_blocks = self._allocate_cpu(len(gpu_ids))
+        if len(cpu_blocks) < len(gpu_ids):
+            self.stats.num_store_skipped_blocks += len(gpu_ids) - len(cpu_blocks)
+            gpu_ids, keys = gpu_ids[:len(cpu_blocks)], keys[:len(cpu_blocks)]
+        if not gpu_ids:
+            return
+        self.gpu_pool.touch(gpu_ids)
+        for block, key in zip(cpu_blocks, keys, strict=True):
+            block.block_hash = key  # stamped now, registered in the map only once the copy is done
+            self._inflight_store_keys[key] = block
+        event = StoreEvent(self._next_store_event, gpu_ids, cpu_blocks, keys)
+        self._next_store_event += 1
+        self._store_events[event.event_id] = event
+        meta.store_event = event.event_id
+        meta.store_gpu_blocks = gpu_ids
+        meta.store_cpu_blocks = [b.block_id for b in cpu_blocks]
+        self.policy.on_store_scheduled(event)
+
+    def _allocate_cpu(self, num: int) -> list[Block]:
+        """Up to `num` CPU blocks, evicting LRU cached ones; fewer when the pool is pinned full."""
+        take = min(num, self.cpu_pool.num_free_blocks)
+        return self.cpu_pool.allocate(take) or []
+
+    # ------------------------------------------------------------------ 4. completions
+    def update_connector_output(self, reports: WorkerReport | Iterable[WorkerReport]) -> None:
+        """Apply one report per rank (or a single report when world_size == 1)."""
+        if isinstance(reports, WorkerReport):
+            reports = [reports]
+        for report in reports:
+            self.stats.bytes_stored += report.bytes_stored
+            self.stats.bytes_loaded += report.bytes_loaded
+            self.stats.store_seconds += report.store_seconds
+            self.stats.load_seconds += report.load_seconds
+            self.stats.num_failed_load_blocks += len(report.failed_load_gpu_blocks)
+            for req_id in report.finished_load_reqs:
+                self._on_load_report(req_id)
+            for event_id in report.completed_store_events:
+                self._on_store_report(event_id, failed=False)
+            for event_id in report.failed_store_events:
+                self._on_store_report(event_id, failed=True)
+
+    def finished_loading(self, finished_req_ids: Iterable[str]) -> None:
+        """Loads reported by the engine itself (vLLM aggregates `finished_recving` across ranks)."""
+        for req_id in finished_req_ids:
+            state = self._requests.get(req_id)
+            if state is not None and state.load is not None:
+                state.load.num_reports = self.world_size - 1
+            self._on_load_report(req_id)
+
+    def _on_load_report(self, req_id: str) -> None:
+        state = self._requests.get(req_id)
+        job = state.load if state is not None else None
+        if state is None or job is None or job.event_id is None:
+            logger.warning("ignoring a load completion for request %s with no load in flight", req_id)
+            return
+        job.num_reports += 1
+        if job.num_reports < self.world_size:
+            return
+        state.load = None
+        self.gpu_pool.free(job.gpu_block_ids)
+        self.policy.on_load_complete(job)
+        self.cpu_pool.free(job.cpu_blocks, front=self.policy.cpu_copy_worthless_after_load)
+        if state.finished:
+            del self._requests[req_id]
+
+    def _on_store_report(self, event_id: int, failed: bool) -> None:
+        event = self._store_events.get(event_id)
+        if event is None:
+            if event_id >= self._next_store_event:
+                raise SchedulerError(f"completion for store event {event_id}, which was never issued")
+            logger.warning("ignoring a duplicate completion of store event %d", event_id)
+            return
+        event.failed |= failed
+        event.num_reports += 1
+        if event.num_reports < self.world_size:
+            return
+        del self._store_events[event_id]
+        for block, key in zip(event.cpu_blocks, event.keys, strict=True):
+            if self._inflight_store_keys.get(key) is block:
+                del self._inflight_store_keys[key]
+            if event.failed:
+                block.block_hash = None
+            elif self.cpu_pool.cache(block, key):
+                self._kv_events.append(KVEvent("stored", key))
+        if event.failed:
+            self.stats.num_failed_store_blocks += len(event.cpu_blocks)
+            self.cpu_pool.free(event.cpu_blocks, front=True)
+        else:
+            self.stats.num_stored_blocks += len(event.cpu_blocks)
+            self.cpu_pool.free(event.cpu_blocks)
+        self.gpu_pool.free(event.gpu_block_ids, front=self.policy.gpu_copy_worthless_after_store)
+
+    def _on_cpu_evict(self, key: bytes) -> None:
+        self.stats.num_cpu_evictions += 1
+        self._kv_events.append(KVEvent("removed", key))
+
+    # ------------------------------------------------------------------ 5. finish, preempt
+    def request_finished(self, request: RequestLike) -> tuple[bool, dict | None]:
+        """The engine may free the request's blocks now: in-flight transfers hold their own references."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return False, None
+        self._drop_pending_hit(state)
+        self.policy.on_request_gone(state)
+        if state.load is not None:
+            state.finished = True  # deleted when its load completes (a queued load is still sent)
+        else:
+            del self._requests[request.request_id]
+        return False, None
+
+    def request_preempted(self, request_id: str) -> None:
+        """The engine freed the request's GPU blocks; it will be re-admitted through a lookup."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            self.policy.on_request_gone(state)
+            state.gpu_block_ids = []
+            state.num_store_checked_blocks = 0
+
+    # ------------------------------------------------------------------ introspection
+    def take_events(self) -> list[KVEvent]:
+        events, self._kv_events = self._kv_events, []
+        return events
+
+    @property
+    def num_inflight_transfers(self) -> int:
+        return len(self._store_events) + sum(1 for s in self._requests.values() if s.load is not None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def is_idle(self) -> bool:
+        return not self._store_events and not self._loads_to_send and all(
+            s.load is None and s.pending_hit is None for s in self._requests.values()
+        )
+
+    def check_integrity(self) -> None:
+        """Pool invariants plus: when idle, the connector holds no CPU references at all."""
+        self.cpu_pool.check_integrity()
+        held = {b.block_id for e in self._store_events.values() for b in e.cpu_blocks}
+        for s in self._requests.values():
+            if s.load is not None:
+                held.update(b.block_id for b in s.load.cpu_blocks)
+            if s.pending_hit is not None:
+                held.update(b.block_id for b in s.pending_hit.cpu_blocks)
+        for block in self.cpu_pool.blocks[1:]:
+            if block.ref_cnt > 0 and block.block_id not in held:
+                raise SchedulerError(f"CPU {block} is referenced but no transfer or pending hit holds it")
+        if self.is_idle() and self.cpu_pool.num_held_blocks():
+            raise SchedulerError(f"idle, yet {self.cpu_pool.num_held_blocks()} CPU blocks are still referenced")

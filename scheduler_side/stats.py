@@ -1,0 +1,28 @@
+"""Running counters of the scheduler side. Plain ints, updated in O(1) where events happen.
+
+Reset never: callers take differences (`snapshot()` then subtract) for per-interval figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_lookups: int = 0
+    num_lookup_tokens: int = 0  # tokens looked up (after the GPU hit)
+    num_hit_tokens: int = 0  # tokens the engine accepted to load from the CPU tier
+    num_loaded_blocks: int = 0
+    num_stored_blocks: int = 0
+    num_store_skipped_blocks: int = 0  # wanted a store but the CPU pool was pinned full
+    num_failed_store_blocks: int = 0
+    num_failed_load_blocks: int = 0
+    num_cpu_evictions: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    store_seconds: float = 0.0
+    load_seconds: float = 0.0
+
+    def snapshot(self) -> dict[str, float]:
+        return asdict(self)

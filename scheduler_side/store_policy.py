@@ -1,0 +1,121 @@
+"""Which GPU blocks to store to the CPU tier each step.
+
+- `EagerStorePolicy` (inclusive tier): every full, hashed block whose KV this step's forward completes,
+  unless it is already cached on the CPU or being stored. Cost per step: O(newly completed blocks).
+- `LazyStorePolicy` (exclusive-leaning tier): only free, hashed GPU blocks within `lookahead` blocks of the
+  GPU pool's eviction frontier that are not on the CPU yet, so the GPU evicts only saved blocks. Saved GPU
+  blocks go back to the head of the GPU free queue (their LRU position), and CPU copies that were just
+  loaded to the GPU go to the head of the CPU free queue (they are resident on the GPU now).
+  Cost per step: O(lookahead).
+
+A policy never allocates; the scheduler allocates CPU blocks for what it selects.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from offload_connector.config import OffloadConfig
+from offload_connector.hashing import with_group_id
+
+if TYPE_CHECKING:
+    from scheduler_side.connector import OffloadScheduler, StoreEvent
+    from scheduler_side.request_state import LoadJob, RequestState
+
+
+class StorePolicy:
+    cpu_copy_worthless_after_load = False
+    gpu_copy_worthless_after_store = False
+
+    def __init__(self, sched: OffloadScheduler) -> None:
+        self.sched = sched
+
+    def _is_saved(self, key: bytes) -> bool:
+        """Cached on the CPU (a hit-able copy exists) or being stored right now."""
+        return key in self.sched.cpu_pool.cached or key in self.sched._inflight_store_keys
+
+    def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None: ...
+
+    def select_stores(self) -> tuple[list[int], list[bytes]]:
+        return [], []
+
+    def on_load_scheduled(self, job: LoadJob) -> None: ...
+
+    def on_load_complete(self, job: LoadJob) -> None: ...
+
+    def on_store_scheduled(self, event: StoreEvent) -> None: ...
+
+    def on_request_gone(self, state: RequestState) -> None: ...
+
+
+class EagerStorePolicy(StorePolicy):
+    def __init__(self, sched: OffloadScheduler) -> None:
+        super().__init__(sched)
+        self._gpu_ids: list[int] = []
+        self._keys: list[bytes] = []
+        self._picked: set[bytes] = set()
+
+    def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None:
+        hashes = state.request.block_hashes
+        end = min(num_computed_tokens // self.sched.block_size, len(hashes), len(state.gpu_block_ids))
+        group = self.sched.group_id
+        for i in range(state.num_store_checked_blocks, end):
+            key = with_group_id(hashes[i], group)
+            gpu_id = state.gpu_block_ids[i]
+            if gpu_id == 0 or key in self._picked or self._is_saved(key):
+                continue
+            self._picked.add(key)
+            self._gpu_ids.append(gpu_id)
+            self._keys.append(key)
+        state.num_store_checked_blocks = max(state.num_store_checked_blocks, end)
+
+    def select_stores(self) -> tuple[list[int], list[bytes]]:
+        out = self._gpu_ids, self._keys
+        self._gpu_ids, self._keys, self._picked = [], [], set()
+        return out
+
+
+class LazyStorePolicy(StorePolicy):
+    cpu_copy_worthless_after_load = True
+    gpu_copy_worthless_after_store = True
+
+    def __init__(self, sched: OffloadScheduler) -> None:
+        super().__init__(sched)
+        self._fixed = sched.config.lazy_lookahead_blocks
+        self._step_alloc = 0  # blocks the engine handed to requests this step
+        self._peak_alloc = 0.0  # decaying peak of per-step allocations
+
+    @property
+    def lookahead(self) -> int:
+        if self._fixed is not None:
+            return self._fixed
+        if self.sched.max_blocks_per_step is not None:
+            return self.sched.max_blocks_per_step
+        return max(16, int(2 * self._peak_alloc))
+
+    def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None:
+        self._step_alloc = max(self._step_alloc, len(state.gpu_block_ids) - state.num_store_checked_blocks)
+        state.num_store_checked_blocks = len(state.gpu_block_ids)
+
+    def select_stores(self) -> tuple[list[int], list[bytes]]:
+        self._peak_alloc = max(float(self._step_alloc), 0.9 * self._peak_alloc)
+        self._step_alloc = 0
+        gpu_ids: list[int] = []
+        keys: list[bytes] = []
+        budget = self.lookahead
+        for gpu_id, key in self.sched.gpu_pool.eviction_candidates():
+            if budget <= 0:
+                break
+            budget -= 1
+            if key is not None and not self._is_saved(key):
+                gpu_ids.append(gpu_id)
+                keys.append(key)
+        return gpu_ids, keys
+
+
+def make_store_policy(config: OffloadConfig, sched: OffloadScheduler) -> StorePolicy:
+    if config.store_policy == "eager":
+        return EagerStorePolicy(sched)
+    if config.store_policy == "lazy":
+        return LazyStorePolicy(sched)
+    raise ValueError(f"unknown store_policy {config.store_policy!r}; allowed: eager, lazy")

@@ -1,0 +1,52 @@
+"""Small test helpers shared by the scheduler-side tests: a request and a tiny engine-side GPU pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from offload_connector.config import load_config
+from offload_connector.hashing import hash_request_tokens
+from offload_connector.metadata import WorkerReport
+from scheduler_side import BlockPool, BlockPoolGpuView, OffloadScheduler, StepRequest
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    tokens: list[int]
+    block_size: int
+    cache_salt: str | None = None
+    block_hashes: list[bytes] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.block_hashes = list(hash_request_tokens(self.tokens, self.block_size, self.cache_salt))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def make_scheduler(num_gpu_blocks: int = 100, num_cpu_blocks: int = 50, block_size: int = 4,
+                   world_size: int = 1, **overrides) -> tuple[OffloadScheduler, BlockPool]:
+    config = load_config({"num_cpu_blocks": num_cpu_blocks, **overrides})
+    gpu = BlockPool(num_gpu_blocks)
+    sched = OffloadScheduler(config, block_size, num_cpu_blocks, BlockPoolGpuView(gpu), world_size)
+    return sched, gpu
+
+
+def admit(sched: OffloadScheduler, gpu: BlockPool, req: FakeRequest, gpu_hit_tokens: int = 0):
+    """Lookup + allocate all blocks for the request's tokens (no GPU prefix caching here)."""
+    hit, is_async = sched.get_num_new_matched_tokens(req, gpu_hit_tokens)
+    num_blocks = -(-req.num_tokens // req.block_size)
+    blocks = gpu.allocate(num_blocks)
+    ids = [b.block_id for b in blocks]
+    sched.update_state_after_alloc(req, ids, hit or 0)
+    return hit, is_async, ids
+
+
+def step_done(req_id: str, ids: list[int], num_computed: int, replace: bool = True) -> StepRequest:
+    return StepRequest(req_id, ids, num_computed, replace)
+
+
+def report(**kw) -> WorkerReport:
+    return WorkerReport(**kw)
