@@ -111,7 +111,7 @@ class OffloadScheduler:
             key = with_group_id(hashes[i], self.group_id)
             block = self.cpu_pool.lookup(key)
             if block is None:
-                if not hits and key in self._inflight_store_keys:
+                if key in self._inflight_store_keys:
                     return None, False  # its store completes soon: ask again next step
                 break
             hits.append(block)

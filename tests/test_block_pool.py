@@ -1,0 +1,103 @@
+"""Block pool: LRU order, touch from the middle, eviction drops the hash, ref counts, null block."""
+
+import pytest
+
+from scheduler_side import BlockPool, PoolError
+from scheduler_side.free_queue import Block
+
+
+def ids(blocks):
+    return [b.block_id for b in blocks]
+
+
+def test_initial_order_and_null_block_never_handed_out():
+    pool = BlockPool(5)
+    assert ids(pool.free_queue) == [1, 2, 3, 4]
+    assert ids(pool.allocate(4)) == [1, 2, 3, 4]
+    assert pool.allocate(1) is None
+    pool.check_integrity()
+
+
+def test_failed_allocate_changes_nothing():
+    pool = BlockPool(4)
+    pool.allocate(1)
+    before = ids(pool.free_queue)
+    assert pool.allocate(3) is None
+    assert ids(pool.free_queue) == before
+    pool.check_integrity()
+
+
+def test_free_appends_at_tail_and_front_at_head():
+    pool = BlockPool(6)
+    a, b, c = pool.allocate(3)
+    pool.free([b])
+    assert ids(pool.free_queue) == [4, 5, 2]
+    pool.free([a, c], front=True)
+    assert ids(pool.free_queue) == [1, 3, 4, 5, 2]  # first listed nearest the head
+    pool.check_integrity()
+
+
+def test_touch_removes_from_middle_and_counts_refs():
+    pool = BlockPool(5)
+    blocks = pool.blocks
+    pool.touch([blocks[3]])
+    assert ids(pool.free_queue) == [1, 2, 4]
+    pool.touch([blocks[3]])
+    assert blocks[3].ref_cnt == 2
+    pool.free([blocks[3]])
+    assert ids(pool.free_queue) == [1, 2, 4]
+    pool.free([blocks[3]])
+    assert ids(pool.free_queue) == [1, 2, 4, 3]
+    pool.check_integrity()
+
+
+def test_eviction_drops_hash_and_reports_it():
+    evicted = []
+    pool = BlockPool(3, on_evict=evicted.append)
+    a, b = pool.allocate(2)
+    assert pool.cache(a, b"h-a") and pool.cache(b, b"h-b")
+    pool.free([a, b])
+    assert pool.lookup(b"h-a") is a  # a free cached block is still a hit
+    (c,) = pool.allocate(1)
+    assert c is a and c.block_hash is None
+    assert pool.lookup(b"h-a") is None and pool.lookup(b"h-b") is b
+    assert evicted == [b"h-a"] and pool.num_evictions == 1
+    pool.check_integrity()
+
+
+def test_cache_refuses_second_block_for_same_hash():
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    assert pool.cache(a, b"h")
+    assert not pool.cache(b, b"h")
+    assert pool.lookup(b"h") is a and b.block_hash is None
+
+
+def test_double_free_and_null_block_misuse_raise():
+    pool = BlockPool(3)
+    (a,) = pool.allocate(1)
+    pool.free([a])
+    with pytest.raises(PoolError, match="double free"):
+        pool.free([a])
+    with pytest.raises(PoolError, match="null block"):
+        pool.touch([pool.null_block])
+    with pytest.raises(PoolError, match="null block"):
+        pool.free([pool.null_block])
+    pool.check_integrity()
+
+
+def test_integrity_detects_a_leak():
+    pool = BlockPool(3)
+    pool.blocks[1].ref_cnt = 0
+    pool.free_queue.remove(pool.blocks[1])
+    with pytest.raises(PoolError, match="leaked"):
+        pool.check_integrity()
+
+
+def test_blocks_use_slots():
+    assert not hasattr(Block(1), "__dict__")
+
+
+def test_pool_needs_two_blocks():
+    with pytest.raises(ValueError, match="at least 2"):
+        BlockPool(1)

@@ -1,0 +1,88 @@
+"""Config: defaults, sizes, and one test per bad-input case, each checking the message names the key."""
+
+import pytest
+
+from offload_connector.config import ConfigError, load_config, merge_configs
+from offload_connector.sizing import num_cpu_blocks
+
+
+def test_defaults_and_embedded_default():
+    cfg = load_config()
+    assert cfg.cpu_bytes == 8 * 2**30 and cfg.store_policy == "eager" and cfg.transfer.backend == "auto"
+    assert load_config({}).transfer.num_streams == 2
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("512MiB", 512 * 2**20), ("8GiB", 8 * 2**30), ("8GB", 8 * 10**9), ("1024", 1024), (4096, 4096),
+    ("1.5GiB", int(1.5 * 2**30)), ("64 KiB", 65536),
+])
+def test_sizes(text, expected):
+    assert load_config({"cpu_bytes": text}).cpu_bytes == expected
+
+
+def test_yaml_file(tmp_path):
+    path = tmp_path / "offload.yaml"
+    path.write_text("cpu_bytes: 1GiB\nstore_policy: lazy\ntransfer:\n  backend: cpu\n")
+    cfg = load_config(path)
+    assert cfg.cpu_bytes == 2**30 and cfg.store_policy == "lazy" and cfg.transfer.backend == "cpu"
+
+
+@pytest.mark.parametrize("data,key,allowed", [
+    ({"cpu_bytz": 1}, "cpu_bytz", "cpu_bytes"),
+    ({"transfer": {"streams": 2}}, "transfer.streams", "num_streams"),
+    ({"metrics": "yes"}, "metrics", "bool"),
+    ({"transfer": {"num_streams": "2"}}, "transfer.num_streams", "int"),
+    ({"cpu_bytes": 0}, "cpu_bytes", "positive"),
+    ({"cpu_bytes": -5}, "cpu_bytes", "positive"),
+    ({"cpu_bytes": "8 gigs"}, "cpu_bytes", "8GiB"),
+    ({"cpu_bytes": "GiB"}, "cpu_bytes", "8GiB"),
+    ({"num_cpu_blocks": 1}, "num_cpu_blocks", ">= 2"),
+    ({"num_cpu_blocks": 0}, "num_cpu_blocks", ">= 2"),
+    ({"transfer": {"num_streams": 0}}, "transfer.num_streams", ">= 1"),
+    ({"store_policy": "sometimes"}, "store_policy", "'eager' | 'lazy'"),
+    ({"eviction": "lfu"}, "eviction", "'lru'"),
+    ({"transfer": {"backend": "rocm"}}, "transfer.backend", "'auto' | 'cuda' | 'cpu'"),
+    ({"hash_algo": "md5"}, "hash_algo", "'xxh3_128' | 'sha256'"),
+    ({"engine": {"block_size": 0}}, "engine.block_size", ">= 1"),
+])
+def test_bad_input_names_key_value_and_allowed(data, key, allowed):
+    with pytest.raises(ConfigError) as info:
+        load_config(data)
+    msg = str(info.value)
+    assert f"'{key}'" in msg and allowed in msg
+    assert info.value.key == key
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config_file"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("cpu_bytes: [1,\n")
+    with pytest.raises(ConfigError, match="config_file"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(listy)
+
+
+def test_config_error_is_a_value_error_with_plain_message():
+    with pytest.raises(ValueError) as info:
+        load_config({"store_policy": 3})
+    assert not str(info.value).startswith('"')
+
+
+def test_inline_overrides_file_keys():
+    merged = merge_configs({"cpu_bytes": "1GiB", "transfer": {"backend": "cpu", "num_streams": 4}},
+                           {"transfer": {"num_streams": 1}})
+    cfg = load_config(merged)
+    assert cfg.transfer.backend == "cpu" and cfg.transfer.num_streams == 1 and cfg.cpu_bytes == 2**30
+
+
+def test_cpu_blocks_split_across_ranks():
+    cfg = load_config({"cpu_bytes": "1MiB"})
+    assert num_cpu_blocks(cfg, 1024, world_size=1) == 1024
+    assert num_cpu_blocks(cfg, 1024, world_size=2) == 512
+    assert num_cpu_blocks(load_config({"num_cpu_blocks": 7}), 1024, 4) == 7
+    with pytest.raises(ConfigError, match="cpu_bytes"):
+        num_cpu_blocks(load_config({"cpu_bytes": 1000}), 1024)

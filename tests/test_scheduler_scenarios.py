@@ -1,0 +1,281 @@
+"""Scheduler-side scenarios, each one request's story as in seed 004, asserting on public behaviour."""
+
+import logging
+
+import pytest
+from helpers import FakeRequest, admit, make_scheduler, report, step_done
+
+from offload_connector.hashing import with_group_id
+from scheduler_side import SchedulerError
+
+BS = 16
+
+
+def free_ids(pool):
+    return [b.block_id for b in pool.free_queue]
+
+
+def finish(sched, gpu, req, ids):
+    """The engine's side of a finish: tell the connector, then drop the request's own references."""
+    assert sched.request_finished(req) == (False, None)
+    gpu.free([gpu.blocks[i] for i in reversed(ids)])
+
+
+def assert_idle(sched, gpu):
+    assert sched.is_idle()
+    sched.check_integrity()
+    gpu.check_integrity()
+    assert sched.cpu_pool.num_held_blocks() == 0 and gpu.num_held_blocks() == 0
+
+
+def test_seed_004_story():
+    sched, gpu = make_scheduler(num_gpu_blocks=100, num_cpu_blocks=50, block_size=BS)
+    # Request A: one full block and a partial one; only the full block has a hash.
+    a = FakeRequest("A", list(range(20)), BS)
+    assert len(a.block_hashes) == 1
+    # 1. admit A: the CPU cache is empty.
+    hit, is_async, a_ids = admit(sched, gpu, a)
+    assert (hit, is_async, a_ids) == (0, False, [1, 2])
+    # 2. A's prefill completes this step: its full block is stored GPU[1] -> CPU[1].
+    meta = sched.build_connector_meta([step_done("A", a_ids, 20)])
+    assert (meta.store_event, meta.store_gpu_blocks, meta.store_cpu_blocks) == (0, [1], [1])
+    assert meta.load_event is None
+    # 3. the store completes: CPU[1] is registered and free (evictable), GPU[1] released.
+    sched.update_connector_output(report(completed_store_events=[0]))
+    key_a = with_group_id(a.block_hashes[0])
+    assert sched.cpu_pool.lookup(key_a).block_id == 1 and sched.cpu_pool.blocks[1].ref_cnt == 0
+    # 4. A finishes; its GPU copy is gone (our test GPU pool keeps no prefix cache).
+    finish(sched, gpu, a, a_ids)
+    # Request B shares A's first full block, then has one more full block and a partial one.
+    b = FakeRequest("B", list(range(16)) + list(range(100, 120)), BS)
+    assert b.block_hashes[0] == a.block_hashes[0] and len(b.block_hashes) == 2
+    # 5. CPU hit of one block: CPU[1] pinned (out of the free queue).
+    hit, is_async, b_ids = admit(sched, gpu, b)
+    assert (hit, is_async) == (16, True)
+    assert sched.cpu_pool.blocks[1].ref_cnt == 1 and 1 not in free_ids(sched.cpu_pool)
+    # 6. the load: CPU[1] -> B's first GPU block, one load event; B does not run this step.
+    meta = sched.build_connector_meta([])
+    assert (meta.load_event, meta.load_gpu_blocks, meta.load_cpu_blocks) == (0, [b_ids[0]], [1])
+    assert meta.load_event_reqs == ["B"] and meta.store_event is None
+    assert gpu.blocks[b_ids[0]].ref_cnt == 2  # the request's and the load's
+    # 7. the load completes: protections released.
+    sched.update_connector_output(report(finished_load_reqs=["B"]))
+    assert sched.cpu_pool.blocks[1].ref_cnt == 0 and gpu.blocks[b_ids[0]].ref_cnt == 1
+    # 8. B computes the rest: only its new full block is stored.
+    meta = sched.build_connector_meta([step_done("B", b_ids, 36)])
+    assert (meta.store_gpu_blocks, meta.store_cpu_blocks) == ([b_ids[1]], [2])
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    finish(sched, gpu, b, b_ids)
+    # Final state: both hashes cached on the CPU, both blocks free, 1 older than 2.
+    assert sched.cpu_pool.lookup(key_a).block_id == 1
+    assert sched.cpu_pool.lookup(with_group_id(b.block_hashes[1])).block_id == 2
+    assert free_ids(sched.cpu_pool)[-2:] == [1, 2]
+    assert sched.stats.num_stored_blocks == 2 and sched.stats.num_loaded_blocks == 1
+    assert_idle(sched, gpu)
+
+
+def store_prefix(sched, gpu, req):
+    """Admit `req`, compute all of it, complete its stores, finish it."""
+    _, _, ids = admit(sched, gpu, req)
+    meta = sched.build_connector_meta([step_done(req.request_id, ids, req.num_tokens)])
+    if meta.store_event is not None:
+        sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    finish(sched, gpu, req, ids)
+
+
+def test_hit_is_capped_so_one_token_is_computed():
+    sched, gpu = make_scheduler(block_size=BS)
+    store_prefix(sched, gpu, FakeRequest("A", list(range(32)), BS))
+    again = FakeRequest("B", list(range(32)), BS)
+    assert sched.get_num_new_matched_tokens(again, 0) == (16, True)  # not 32: one token must be computed
+    sched.request_finished(again)
+    assert_idle(sched, gpu)
+
+
+def test_partial_hit_and_miss_after_gpu_hit():
+    sched, gpu = make_scheduler(block_size=BS)
+    store_prefix(sched, gpu, FakeRequest("A", list(range(48)), BS))
+    diverging = FakeRequest("B", list(range(32)) + [999] * 20, BS)
+    assert sched.get_num_new_matched_tokens(diverging, 0) == (32, True)
+    assert sched.get_num_new_matched_tokens(diverging, 16) == (16, True)  # starts after the GPU hit
+    assert sched.get_num_new_matched_tokens(diverging, 32) == (0, False)
+    sched.request_finished(diverging)
+    assert_idle(sched, gpu)
+
+
+def test_stale_pending_hit_is_dropped():
+    sched, gpu = make_scheduler(block_size=BS)
+    store_prefix(sched, gpu, FakeRequest("A", list(range(40)), BS))
+    b = FakeRequest("B", list(range(40)), BS)
+    for _ in range(3):  # the engine could not schedule B, and asks again each step
+        assert sched.get_num_new_matched_tokens(b, 0) == (32, True)
+    assert all(blk.ref_cnt <= 1 for blk in sched.cpu_pool.blocks[1:])
+    sched.update_state_after_alloc(b, [], 0)  # allocated without the external tokens
+    assert_idle(sched, gpu)
+
+
+def test_preempt_then_resume_from_cpu():
+    sched, gpu = make_scheduler(block_size=BS)
+    a = FakeRequest("A", list(range(50)), BS)
+    _, _, ids = admit(sched, gpu, a)
+    # 1. a first chunk of 32 tokens computes: two blocks stored.
+    meta = sched.build_connector_meta([step_done("A", ids, 32)])
+    assert meta.store_gpu_blocks == ids[:2]
+    # 2. preempted while the store is in flight: the engine frees A's blocks; ours keep two alive.
+    sched.request_preempted("A")
+    gpu.free([gpu.blocks[i] for i in reversed(ids)])
+    assert [gpu.blocks[i].ref_cnt for i in ids] == [1, 1, 0, 0]
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    # 3. resumed: the two stored blocks come back from the CPU.
+    hit, is_async, ids2 = admit(sched, gpu, a)
+    assert (hit, is_async) == (32, True)
+    meta = sched.build_connector_meta([])
+    assert meta.load_gpu_blocks == ids2[:2]
+    sched.update_connector_output(report(finished_load_reqs=["A"]))
+    meta = sched.build_connector_meta([step_done("A", ids2, 50, replace=True)])
+    assert meta.store_gpu_blocks == ids2[2:3]  # only the third full block is new
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    finish(sched, gpu, a, ids2)
+    assert_idle(sched, gpu)
+
+
+def test_abort_while_loading():
+    sched, gpu = make_scheduler(block_size=BS)
+    store_prefix(sched, gpu, FakeRequest("A", list(range(40)), BS))
+    b = FakeRequest("B", list(range(40)), BS)
+    _, _, ids = admit(sched, gpu, b)
+    meta = sched.build_connector_meta([])
+    # 1. aborted with the load in flight: the engine frees its blocks, the load's references remain.
+    finish(sched, gpu, b, ids)
+    assert [gpu.blocks[i].ref_cnt for i in ids[:2]] == [1, 1]
+    assert all(i not in free_ids(gpu) for i in meta.load_gpu_blocks)
+    # 2. the load completes later: everything is released, the request's state is gone.
+    sched.update_connector_output(report(finished_load_reqs=["B"]))
+    assert not sched.has_request("B")
+    assert_idle(sched, gpu)
+
+
+def test_abort_before_metadata_still_sends_the_load():
+    sched, gpu = make_scheduler(block_size=BS)
+    store_prefix(sched, gpu, FakeRequest("A", list(range(40)), BS))
+    b = FakeRequest("B", list(range(40)), BS)
+    _, _, ids = admit(sched, gpu, b)
+    finish(sched, gpu, b, ids)
+    meta = sched.build_connector_meta([])
+    assert meta.load_event_reqs == ["B"]
+    sched.update_connector_output(report(finished_load_reqs=["B"]))
+    assert_idle(sched, gpu)
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_finish_while_storing(failed):
+    sched, gpu = make_scheduler(block_size=BS)
+    a = FakeRequest("A", list(range(40)), BS)
+    _, _, ids = admit(sched, gpu, a)
+    meta = sched.build_connector_meta([step_done("A", ids, 40)])
+    finish(sched, gpu, a, ids)
+    assert [gpu.blocks[i].ref_cnt for i in meta.store_gpu_blocks] == [1, 1]
+    key = "failed_store_events" if failed else "completed_store_events"
+    sched.update_connector_output(report(**{key: [meta.store_event]}))
+    b = FakeRequest("B", list(range(40)), BS)
+    assert sched.get_num_new_matched_tokens(b, 0) == ((0, False) if failed else (32, True))
+    sched.request_finished(b)
+    assert_idle(sched, gpu)
+
+
+def test_lookup_waits_for_a_store_in_flight():
+    sched, gpu = make_scheduler(block_size=BS)
+    a = FakeRequest("A", list(range(40)), BS)
+    _, _, ids = admit(sched, gpu, a)
+    meta = sched.build_connector_meta([step_done("A", ids, 40)])
+    b = FakeRequest("B", list(range(40)), BS)
+    assert sched.get_num_new_matched_tokens(b, 0) == (None, False)
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    assert sched.get_num_new_matched_tokens(b, 0) == (32, True)
+    sched.request_finished(b)
+    finish(sched, gpu, a, ids)
+    assert_idle(sched, gpu)
+
+
+def test_cpu_pool_full_of_pinned_blocks_skips_stores():
+    sched, gpu = make_scheduler(num_cpu_blocks=3, block_size=BS)
+    store_prefix(sched, gpu, FakeRequest("A", list(range(40)), BS))  # fills both usable CPU blocks
+    pinned = FakeRequest("P", list(range(40)), BS)
+    assert sched.get_num_new_matched_tokens(pinned, 0) == (32, True)  # pins both
+    c = FakeRequest("C", list(range(500, 540)), BS)
+    _, _, ids = admit(sched, gpu, c)
+    meta = sched.build_connector_meta([step_done("C", ids, 40)])
+    assert meta.store_event is None and sched.stats.num_store_skipped_blocks == 2
+    finish(sched, gpu, c, ids)
+    sched.request_finished(pinned)
+    assert_idle(sched, gpu)
+
+
+def test_store_evicts_lru_cpu_blocks():
+    sched, gpu = make_scheduler(num_cpu_blocks=3, block_size=BS)
+    old = FakeRequest("A", list(range(40)), BS)
+    store_prefix(sched, gpu, old)
+    store_prefix(sched, gpu, FakeRequest("C", list(range(500, 540)), BS))
+    assert sched.get_num_new_matched_tokens(FakeRequest("D", list(range(40)), BS), 0) == (0, False)
+    kinds = [e.kind for e in sched.take_events()]
+    assert kinds.count("stored") == 4 and kinds.count("removed") == 2
+    assert sched.stats.num_cpu_evictions == 2
+
+
+def test_tensor_parallel_events_need_every_rank():
+    sched, gpu = make_scheduler(block_size=BS, world_size=2)
+    a = FakeRequest("A", list(range(40)), BS)
+    _, _, ids = admit(sched, gpu, a)
+    meta = sched.build_connector_meta([step_done("A", ids, 40)])
+    sched.update_connector_output([report(completed_store_events=[meta.store_event])])
+    b = FakeRequest("B", list(range(40)), BS)
+    assert sched.get_num_new_matched_tokens(b, 0) == (None, False)  # rank 1 has not reported yet
+    sched.update_connector_output([report(completed_store_events=[meta.store_event])])
+    _, _, b_ids = admit(sched, gpu, b)
+    meta = sched.build_connector_meta([])
+    sched.update_connector_output([report(finished_load_reqs=["B"])])
+    assert gpu.blocks[b_ids[0]].ref_cnt == 2  # one rank still copying
+    sched.update_connector_output([report(finished_load_reqs=["B"])])
+    assert gpu.blocks[b_ids[0]].ref_cnt == 1
+    finish(sched, gpu, a, ids)
+    finish(sched, gpu, b, b_ids)
+    assert_idle(sched, gpu)
+
+
+def test_failed_load_releases_blocks_and_counts():
+    sched, gpu = make_scheduler(block_size=BS)
+    store_prefix(sched, gpu, FakeRequest("A", list(range(40)), BS))
+    b = FakeRequest("B", list(range(40)), BS)
+    _, _, ids = admit(sched, gpu, b)
+    meta = sched.build_connector_meta([])
+    sched.update_connector_output(report(finished_load_reqs=["B"], failed_load_gpu_blocks=meta.load_gpu_blocks))
+    assert sched.stats.num_failed_load_blocks == 2
+    finish(sched, gpu, b, ids)
+    assert_idle(sched, gpu)
+
+
+def test_misuse_raises_and_late_completions_are_ignored(caplog):
+    sched, gpu = make_scheduler(block_size=BS)
+    ghost = FakeRequest("G", list(range(40)), BS)
+    with pytest.raises(SchedulerError, match="never looked up"):
+        sched.update_state_after_alloc(ghost, [1, 2, 3], 16)
+    with pytest.raises(SchedulerError, match="never issued"):
+        sched.update_connector_output(report(completed_store_events=[7]))
+    a = FakeRequest("A", list(range(40)), BS)
+    _, _, ids = admit(sched, gpu, a)
+    meta = sched.build_connector_meta([step_done("A", ids, 40)])
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    with caplog.at_level(logging.WARNING):
+        sched.update_connector_output(report(completed_store_events=[meta.store_event],
+                                             finished_load_reqs=["nobody"]))
+    assert "duplicate completion" in caplog.text and "no load in flight" in caplog.text
+    finish(sched, gpu, a, ids)
+    assert_idle(sched, gpu)
+
+
+def test_external_tokens_without_pending_hit_raise():
+    sched, gpu = make_scheduler(block_size=BS)
+    a = FakeRequest("A", list(range(40)), BS)
+    assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    with pytest.raises(SchedulerError, match="no pending CPU hit"):
+        sched.update_state_after_alloc(a, [1, 2, 3], 16)

@@ -1,0 +1,140 @@
+"""Property test: random admissions, steps, completions (in any order, some failing), aborts and
+preemptions against the scheduler side. After every rule: pools are consistent, no block with a
+transfer in flight is free, and when everything is drained all references are back to zero."""
+
+from dataclasses import dataclass
+
+import hypothesis.strategies as st
+from helpers import FakeRequest, make_scheduler, report
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from scheduler_side import StepRequest
+
+BS = 4
+PREFIXES = [list(range(100 * p, 100 * p + 12)) for p in range(3)]
+
+
+@dataclass
+class Running:
+    req: FakeRequest
+    gpu_ids: list
+    computed: int
+    loading: bool
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(policy=st.sampled_from(["eager", "lazy"]), world_size=st.sampled_from([1, 2]),
+                num_cpu_blocks=st.integers(2, 12))
+    def setup(self, policy, world_size, num_cpu_blocks):
+        self.sched, self.gpu = make_scheduler(num_gpu_blocks=24, num_cpu_blocks=num_cpu_blocks,
+                                              block_size=BS, world_size=world_size, store_policy=policy)
+        self.world_size = world_size
+        self.reqs: dict[str, Running] = {}
+        self.sent_loads: list[str] = []  # requests whose load was handed to the workers
+        self.stores: dict[int, list[int]] = {}  # store event -> GPU blocks
+        self.next_id = 0
+
+    # --- the engine side ---------------------------------------------------------------------
+    @rule(prefix=st.integers(0, 2), extra=st.integers(0, 9), gpu_hit=st.booleans())
+    def admit(self, prefix, extra, gpu_hit):
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        req = FakeRequest(rid, PREFIXES[prefix] + [7000 + self.next_id] * extra, BS)
+        self._admit(req, BS if gpu_hit else 0)
+
+    def _admit(self, req, gpu_hit_tokens):
+        hit, is_async = self.sched.get_num_new_matched_tokens(req, gpu_hit_tokens)
+        blocks = self.gpu.allocate(-(-req.num_tokens // BS))
+        if hit is None or blocks is None:
+            if blocks:
+                self.gpu.free(blocks)
+            self.sched.request_finished(req)  # the engine gives up on it (abort while waiting)
+            return
+        ids = [b.block_id for b in blocks]
+        self.sched.update_state_after_alloc(req, ids, hit)
+        self.reqs[req.request_id] = Running(req, ids, gpu_hit_tokens + hit, loading=is_async)
+
+    @rule(data=st.data())
+    def step(self, data):
+        steps = []
+        for rid, r in self.reqs.items():
+            if r.loading or r.computed >= r.req.num_tokens:
+                continue
+            r.computed = min(r.req.num_tokens, r.computed + data.draw(st.integers(1, 9)))
+            steps.append(StepRequest(rid, r.gpu_ids, r.computed, True))
+        meta = self.sched.build_connector_meta(steps)
+        self.sent_loads.extend(meta.load_event_reqs)
+        if meta.store_event is not None:
+            self.stores[meta.store_event] = list(meta.store_gpu_blocks)
+            assert len(meta.store_gpu_blocks) == len(meta.store_cpu_blocks)
+
+    @precondition(lambda self: self.stores)
+    @rule(data=st.data(), failed=st.booleans())
+    def complete_store(self, data, failed):
+        event = data.draw(st.sampled_from(sorted(self.stores)))
+        del self.stores[event]
+        key = "failed_store_events" if failed else "completed_store_events"
+        self.sched.update_connector_output([report(**{key: [event]})] * self.world_size)
+
+    @precondition(lambda self: self.sent_loads)
+    @rule(data=st.data(), failed=st.booleans())
+    def complete_load(self, data, failed):
+        rid = data.draw(st.sampled_from(self.sent_loads))
+        self.sent_loads.remove(rid)
+        self.sched.update_connector_output(
+            [report(finished_load_reqs=[rid], failed_load_gpu_blocks=[1] if failed else [])] * self.world_size)
+        if rid in self.reqs:
+            self.reqs[rid].loading = False
+
+    @precondition(lambda self: self.reqs)
+    @rule(data=st.data())
+    def finish_or_abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+        r = self.reqs.pop(rid)
+        assert self.sched.request_finished(r.req) == (False, None)
+        self.gpu.free([self.gpu.blocks[i] for i in reversed(r.gpu_ids)])
+
+    @precondition(lambda self: any(not r.loading for r in self.reqs.values()))
+    @rule(data=st.data())
+    def preempt_and_resume(self, data):
+        rid = data.draw(st.sampled_from(sorted(k for k, r in self.reqs.items() if not r.loading)))
+        r = self.reqs.pop(rid)
+        self.sched.request_preempted(rid)
+        self.gpu.free([self.gpu.blocks[i] for i in reversed(r.gpu_ids)])
+        self._admit(r.req, 0)
+
+    # --- invariants --------------------------------------------------------------------------
+    @invariant()
+    def pools_consistent(self):
+        self.sched.check_integrity()
+        self.gpu.check_integrity()
+
+    @invariant()
+    def inflight_blocks_are_never_free(self):
+        for gpu_ids in self.stores.values():
+            assert all(self.gpu.blocks[i].ref_cnt > 0 for i in gpu_ids)
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        meta = self.sched.build_connector_meta([])  # hands over loads queued since the last step
+        self.sent_loads.extend(meta.load_event_reqs)
+        if meta.store_event is not None:
+            self.stores[meta.store_event] = list(meta.store_gpu_blocks)
+        for event in list(self.stores):
+            self.sched.update_connector_output([report(completed_store_events=[event])] * self.world_size)
+        for rid in self.sent_loads:
+            self.sched.update_connector_output([report(finished_load_reqs=[rid])] * self.world_size)
+        for r in self.reqs.values():
+            self.sched.request_finished(r.req)
+            self.gpu.free([self.gpu.blocks[i] for i in reversed(r.gpu_ids)])
+        assert self.sched.is_idle()
+        self.sched.check_integrity()
+        assert self.sched.cpu_pool.num_held_blocks() == 0
+        assert self.gpu.num_held_blocks() == 0
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TestSchedulerMachine = SchedulerMachine.TestCase
