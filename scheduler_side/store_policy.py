@@ -4,7 +4,7 @@
   unless it is already cached on the CPU or being stored. Cost per step: O(newly completed blocks).
 - `LazyStorePolicy` (exclusive-leaning tier): only free, hashed GPU blocks within `lookahead` blocks of the
   GPU pool's eviction frontier that are not on the CPU yet, so the GPU evicts only saved blocks. Saved GPU
-  blocks go back to the head of the GPU free queue (their LRU position), and CPU copies that were just
+  blocks go back to the head of the GPU free queue (they were at the frontier), and CPU copies that were just
   loaded to the GPU go to the head of the CPU free queue (they are resident on the GPU now).
   Cost per step: O(lookahead).
 
@@ -56,8 +56,11 @@ class EagerStorePolicy(StorePolicy):
         self._picked: set[bytes] = set()
 
     def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None:
+        end = num_computed_tokens // self.sched.block_size
+        if end <= state.num_store_checked_blocks:
+            return  # the common decode step: no block completed
         hashes = state.request.block_hashes
-        end = min(num_computed_tokens // self.sched.block_size, len(hashes), len(state.gpu_block_ids))
+        end = min(end, len(hashes), len(state.gpu_block_ids))
         group = self.sched.group_id
         for i in range(state.num_store_checked_blocks, end):
             key = with_group_id(hashes[i], group)

@@ -1,0 +1,56 @@
+"""Lazy stores: only hashed GPU blocks near the eviction frontier are saved, and saved copies keep
+their LRU position; a CPU copy just loaded to the GPU is the first to go."""
+
+from helpers import FakeRequest, admit, make_scheduler, report, step_done
+
+from offload_connector.hashing import with_group_id
+
+BS = 4
+
+
+def compute_and_free(sched, gpu, req):
+    """The engine computes `req` fully, caches its full blocks on the GPU and finishes it."""
+    _, _, ids = admit(sched, gpu, req)
+    meta = sched.build_connector_meta([step_done(req.request_id, ids, req.num_tokens)])
+    assert meta.store_event is None  # lazy: nothing is stored while the blocks are in use
+    for gpu_id, h in zip(ids, req.block_hashes, strict=False):
+        gpu.cache(gpu.blocks[gpu_id], with_group_id(h))
+    sched.request_finished(req)
+    gpu.free([gpu.blocks[i] for i in reversed(ids)])
+    return ids
+
+
+def test_lazy_stores_only_near_the_eviction_frontier():
+    sched, gpu = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=20, block_size=BS,
+                                store_policy="lazy", lazy_lookahead_blocks=4)
+    a_ids = compute_and_free(sched, gpu, FakeRequest("A", list(range(8)), BS))  # 2 full blocks
+    # free queue now: 3 4 5 6 7 8 (never used) then A's blocks, tail first: 2 1
+    meta = sched.build_connector_meta([])
+    assert meta.store_event is None  # A's blocks are beyond the 4-block lookahead
+    gpu.touch([gpu.blocks[i] for i in (3, 4, 5, 6)])  # the engine allocates 4 blocks elsewhere
+    meta = sched.build_connector_meta([])
+    assert meta.store_gpu_blocks == [a_ids[1], a_ids[0]]  # frontier order: the tail block first
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    # the saved GPU blocks went back to the head of the free queue, in their frontier order
+    assert [b.block_id for b in gpu.free_queue] == [a_ids[1], a_ids[0], 7, 8]
+    assert sched.build_connector_meta([]).store_event is None  # already saved: not stored twice
+
+
+def test_lazy_loaded_cpu_copy_is_evicted_first():
+    sched, gpu = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=6, block_size=BS,
+                                store_policy="lazy", lazy_lookahead_blocks=20)
+    a = FakeRequest("A", list(range(9)), BS)
+    compute_and_free(sched, gpu, a)
+    meta = sched.build_connector_meta([])
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    for blk in list(gpu.free_queue):  # the GPU copies get evicted
+        gpu.uncache(blk)
+    b = FakeRequest("B", list(range(9)), BS)
+    hit, _, ids = admit(sched, gpu, b)
+    assert hit == 8
+    meta = sched.build_connector_meta([])
+    sched.update_connector_output(report(finished_load_reqs=["B"]))
+    assert [b.block_id for b in sched.cpu_pool.free_queue][:2] == meta.load_cpu_blocks
+    sched.request_finished(b)
+    gpu.free([gpu.blocks[i] for i in reversed(ids)])
+    sched.check_integrity()
