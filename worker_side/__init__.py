@@ -1,0 +1,23 @@
+"""worker_side: moves KV block bytes between the engine's KV cache and the host pool, asynchronously.
+
+Imports nothing from `scheduler_side`; shares only `offload_connector` types (config, metadata, sizing).
+Public API: `OffloadWorker` (see worker.py), the `TransferBackend` interface with `CpuBackend` and
+`CudaBackend` (imported lazily: it needs CUDA at construction, not at import), and `faults.FaultyBackend`.
+"""
+
+from worker_side.backend import CopyJob, JobResult, TransferBackend
+from worker_side.cpu_backend import CpuBackend
+from worker_side.errors import (
+    BackendError,
+    HostPoolError,
+    LayoutError,
+    WorkerClosedError,
+    WorkerInvariantError,
+)
+from worker_side.host_pool import HostPool
+from worker_side.worker import OffloadWorker
+
+__all__ = [
+    "BackendError", "CopyJob", "CpuBackend", "HostPool", "HostPoolError", "JobResult", "LayoutError",
+    "OffloadWorker", "TransferBackend", "WorkerClosedError", "WorkerInvariantError",
+]

@@ -1,0 +1,82 @@
+"""The transfer backend interface: submit a job's block copies, learn when jobs finish.
+
+A job copies `src_ids[i]` to `dst_ids[i]` for every registered tensor; `kind` says the direction (store:
+engine KV cache -> host pool; load: host pool -> engine KV cache). Contract for implementations:
+- `bind()` is called once, before any `submit()`, with the engine tensors' and the host pool's views.
+- `submit()` never blocks on the copy; each submitted job produces exactly one `JobResult`, returned by
+  exactly one `poll()` call, after its copies finished (or failed). A failed job lists the destination
+  block ids whose bytes are not valid (all of them when unsure).
+- `wait(job_ids)` blocks until those jobs have finished (their results are still returned by `poll()`).
+- `shutdown()` lets copies already running finish, fails queued ones, and is idempotent.
+Shared bookkeeping (segments, job records, reports) lives outside the backends so CPU and CUDA agree.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from worker_side.block_layout import TensorBlockView
+
+JobKind = Literal["load", "store"]
+
+
+@dataclass(frozen=True, slots=True)
+class CopyJob:
+    job_id: int
+    kind: JobKind
+    event_id: int
+    src_ids: np.ndarray  # int64; gpu ids for a store, cpu ids for a load
+    dst_ids: np.ndarray  # int64; cpu ids for a store, gpu ids for a load
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.dst_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    job_id: int
+    failed_dst_ids: tuple[int, ...] = ()  # empty: every block copied
+    error: str | None = None
+    finished_at: float = 0.0  # time.perf_counter() when the copies completed
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed_dst_ids and self.error is None
+
+
+class TransferBackend(abc.ABC):
+    """Moves block bytes between the engine's KV tensors and the host pool."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def allocate_host_pool(self, nbytes: int) -> torch.Tensor:
+        """Exactly `nbytes` uint8 bytes of host memory (pinned where the backend needs it)."""
+
+    @abc.abstractmethod
+    def bind(self, device_views: list[TensorBlockView], host_views: list[TensorBlockView]) -> None:
+        """Remember the engine tensors' and the host pool's block geometry (same order, same shapes)."""
+
+    @abc.abstractmethod
+    def submit(self, job: CopyJob) -> None:
+        """Start the job's copies; never waits for them."""
+
+    @abc.abstractmethod
+    def poll(self) -> list[JobResult]:
+        """Results of jobs finished since the previous poll (each job once)."""
+
+    @abc.abstractmethod
+    def wait(self, job_ids: Collection[int] | None = None) -> None:
+        """Block until the given jobs (all submitted jobs when None) have finished."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop: running copies finish, queued jobs fail. Idempotent."""

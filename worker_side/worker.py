@@ -1,0 +1,211 @@
+"""OffloadWorker: the worker-side connector (one per engine rank).
+
+It registers the engine's KV tensors, allocates the host pool to match, turns each step's
+`TransferMetadata` into at most one load job and one store job, and reports completions as a `WorkerReport`.
+
+Lifecycle and invariants:
+- `register_*` once, before any transfer; block id 0 of both tiers is never copied.
+- one job per (step, direction): `start_load` as early as the engine allows, `start_store` after the forward
+  wrote the blocks; the backend orders each against the compute stream where one exists.
+- `_jobs` holds exactly the submitted jobs whose result has not been reported; each job is reported once:
+  a load job lists its requests in `finished_load_reqs` (also when it failed: failed GPU blocks go to
+  `failed_load_gpu_blocks`, and the engine recomputes them); a store job's event goes to
+  `completed_store_events` or `failed_store_events`, never both.
+- `get_finished(wait_for_loads=True)` first waits for loads started since the previous call (one-step
+  resume) and never waits for stores. Metadata that breaks the `TransferMetadata` invariants raises
+  `WorkerInvariantError` before anything is submitted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from offload_connector.config import OffloadConfig
+from offload_connector.metadata import TransferMetadata, WorkerReport
+from offload_connector.sizing import num_cpu_blocks as sized_num_cpu_blocks
+from worker_side.backend import CopyJob, JobKind, JobResult, TransferBackend
+from worker_side.backend_select import make_backend
+from worker_side.block_layout import BLOCK_FIRST, TensorBlockView, tensor_block_view
+from worker_side.errors import LayoutError, WorkerClosedError, WorkerInvariantError
+from worker_side.host_pool import HostPool
+
+
+@dataclass(slots=True)
+class JobRecord:
+    kind: JobKind
+    event_id: int
+    num_blocks: int
+    submitted_at: float
+    load_reqs: tuple[str, ...] = ()  # the requests a load job resumes; empty for stores
+
+
+class OffloadWorker:
+    def __init__(self, config: OffloadConfig, world_size: int = 1, rank: int = 0,
+                 backend: TransferBackend | None = None) -> None:
+        self.config, self.world_size, self.rank = config, world_size, rank
+        self.backend = backend if backend is not None else make_backend(config)
+        self._views: list[TensorBlockView] = []
+        self._pool: HostPool | None = None
+        self._num_gpu_blocks = 0
+        self._job_ids = itertools.count(1)
+        self._jobs: dict[int, JobRecord] = {}
+        self._loads_this_step: list[int] = []
+        self._instant: list[JobResult] = []  # jobs with no blocks: finished at submission
+        self._closed = False
+
+    # ---- registration -------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], num_gpu_blocks: int | None = None,
+                           layout: str | None = None) -> None:
+        """Find each tensor's block dim, size and allocate the host pool, bind the backend."""
+        if self._pool is not None:
+            raise WorkerInvariantError("register_kv_caches called twice; KV caches are registered once")
+        if not kv_caches:
+            raise LayoutError("register_kv_caches got no tensors; allowed: a dict of layer name -> tensor")
+        views: list[TensorBlockView] = []
+        seen: set[tuple[int, int, int]] = set()
+        for name, tensor in kv_caches.items():
+            view = tensor_block_view(name, tensor, num_gpu_blocks, layout)
+            key = (view.base_ptr, view.block_stride, view.block_bytes)
+            if key in seen:  # layers sharing one KV cache (KV sharing): copy its bytes once
+                continue
+            seen.add(key)
+            views.append(view)
+        counts = {v.num_blocks for v in views}
+        devices = {str(v.tensor.device) for v in views}
+        if len(counts) != 1 or len(devices) != 1:
+            raise LayoutError(f"KV tensors disagree on block count {sorted(counts)} or device {sorted(devices)}; "
+                              "allowed: one block count and one device per worker (pass num_gpu_blocks)")
+        bytes_per_block = sum(v.block_bytes for v in views)
+        num_blocks = sized_num_cpu_blocks(self.config, bytes_per_block, self.world_size)
+        self._pool = HostPool(views, num_blocks, self.backend.allocate_host_pool)
+        self.backend.bind(views, self._pool.views)
+        self._views, self._num_gpu_blocks = views, counts.pop()
+
+    def register_cross_layer_kv_cache(self, tensor: torch.Tensor, num_gpu_blocks: int | None = None) -> None:
+        """One tensor holding every layer, block dim first: each block is one contiguous range."""
+        self.register_kv_caches({"cross_layer": tensor}, num_gpu_blocks, layout=BLOCK_FIRST)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self._require_pool().bytes_per_block
+
+    @property
+    def num_cpu_blocks(self) -> int:
+        return self._require_pool().num_blocks
+
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self._num_gpu_blocks
+
+    @property
+    def host_pool(self) -> HostPool:
+        return self._require_pool()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._jobs)
+
+    def _require_pool(self) -> HostPool:
+        if self._pool is None:
+            raise WorkerClosedError("register the KV caches (register_kv_caches) before using the host pool")
+        return self._pool
+
+    # ---- transfers ----------------------------------------------------------------------------------
+    def start_load(self, meta: TransferMetadata) -> None:
+        """Issue this step's load (host pool -> KV cache) without waiting for it."""
+        if meta.load_event is None:
+            return
+        n = len(meta.load_gpu_blocks)
+        if meta.load_req_num_blocks and (len(meta.load_req_num_blocks) != len(meta.load_event_reqs)
+                                         or sum(meta.load_req_num_blocks) != n):
+            raise WorkerInvariantError(
+                f"load event {meta.load_event}: load_req_num_blocks {meta.load_req_num_blocks} does not match "
+                f"{len(meta.load_event_reqs)} requests and {n} blocks (scheduler bug)")
+        cpu, gpu = self._checked_ids("load", meta.load_event, meta.load_cpu_blocks, meta.load_gpu_blocks)
+        job_id = self._submit("load", meta.load_event, cpu, gpu, tuple(meta.load_event_reqs))
+        self._loads_this_step.append(job_id)
+
+    def start_store(self, meta: TransferMetadata) -> None:
+        """Issue this step's store (KV cache -> host pool); call after the forward wrote the blocks."""
+        if meta.store_event is None:
+            return
+        gpu, cpu = self._checked_ids("store", meta.store_event, meta.store_gpu_blocks, meta.store_cpu_blocks)
+        self._submit("store", meta.store_event, gpu, cpu, ())
+
+    def _checked_ids(self, kind: JobKind, event_id: int, src: Sequence[int], dst: Sequence[int]
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        if self._closed:
+            raise WorkerClosedError(f"{kind} event {event_id} after shutdown()")
+        pool = self._require_pool()
+        if len(src) != len(dst):
+            raise WorkerInvariantError(f"{kind} event {event_id}: {len(src)} source vs {len(dst)} destination "
+                                       "block ids (scheduler bug)")
+        src_a, dst_a = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+        limits = (pool.num_blocks, self._num_gpu_blocks) if kind == "load" else (self._num_gpu_blocks, pool.num_blocks)
+        for ids, limit, what in ((src_a, limits[0], "source"), (dst_a, limits[1], "destination")):
+            bad = ids[(ids < 1) | (ids >= limit)]
+            if len(bad):
+                raise WorkerInvariantError(f"{kind} event {event_id}: {what} block ids {bad[:8].tolist()} outside "
+                                           f"[1, {limit}) (block 0 is the null block; scheduler bug)")
+        if len(np.unique(dst_a)) != len(dst_a):
+            raise WorkerInvariantError(f"{kind} event {event_id}: a destination block appears twice in "
+                                       f"{dst_a.tolist()[:32]} (scheduler bug)")
+        return src_a, dst_a
+
+    def _submit(self, kind: JobKind, event_id: int, src: np.ndarray, dst: np.ndarray,
+                load_reqs: tuple[str, ...]) -> int:
+        job_id = next(self._job_ids)
+        self._jobs[job_id] = JobRecord(kind, event_id, len(dst), time.perf_counter(), load_reqs)
+        if len(dst) == 0:
+            self._instant.append(JobResult(job_id, finished_at=time.perf_counter()))
+            return job_id
+        try:
+            self.backend.submit(CopyJob(job_id, kind, event_id, src, dst))
+        except BaseException:
+            del self._jobs[job_id]  # a failed submission leaves state unchanged
+            raise
+        return job_id
+
+    # ---- completions --------------------------------------------------------------------------------
+    def get_finished(self, wait_for_loads: bool = True) -> WorkerReport:
+        """Everything that finished since the previous call; optionally wait for this step's loads first."""
+        if wait_for_loads and self._loads_this_step:
+            self.backend.wait([j for j in self._loads_this_step if j in self._jobs])
+        self._loads_this_step = []
+        results, self._instant = self._instant + self.backend.poll(), []
+        report = WorkerReport()
+        bytes_per_block = self._pool.bytes_per_block if self._pool is not None else 0
+        for r in results:
+            rec = self._jobs.pop(r.job_id, None)
+            if rec is None:
+                raise WorkerInvariantError(f"backend reported job {r.job_id}, which is not in flight (our bug)")
+            seconds = max(0.0, r.finished_at - rec.submitted_at)
+            if rec.kind == "load":
+                report.finished_load_reqs.extend(rec.load_reqs)
+                report.failed_load_gpu_blocks.extend(r.failed_dst_ids)
+                report.bytes_loaded += (rec.num_blocks - len(r.failed_dst_ids)) * bytes_per_block
+                report.load_seconds += seconds
+            elif r.ok:
+                report.completed_store_events.append(rec.event_id)
+                report.bytes_stored += rec.num_blocks * bytes_per_block
+                report.store_seconds += seconds
+            else:
+                report.failed_store_events.append(rec.event_id)
+        return report
+
+    def wait_all(self) -> None:
+        """Block until every submitted job has finished (results stay queued for get_finished)."""
+        self.backend.wait(None)
+
+    def shutdown(self) -> None:
+        """Stop the backend: running copies finish, queued ones fail. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.backend.shutdown()
