@@ -53,6 +53,9 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dtype: Literal["float32", "float16", "bfloat16"] = "float16"
     max_num_batched_tokens: PositiveInt = 4096
     max_num_seqs: PositiveInt = 64
+    # The fake engine's CPU tier when the top-level `num_cpu_blocks` is unset (instead of `cpu_bytes`,
+    # which would buy millions of the fake model's tiny blocks). None: size it from `cpu_bytes`.
+    num_cpu_blocks: Annotated[int, msgspec.Meta(ge=2)] | None = None
 
 
 class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -1,0 +1,68 @@
+"""The fake model's K/V contents: a deterministic function of (token prefix, position, layer, K/V, head, dim).
+
+- `prefix_seeds(tokens)`: one seed per position p, a polynomial hash of tokens[0..p] mod the Mersenne prime
+  P = 2^31 - 1 (sum of (t_j + 1) * R^j), computed with one cumulative sum, so it is vectorized and extends by
+  one token in O(1) (`extend_seed`).
+- `kv_values(seeds, positions, shape)`: mixes each seed with its position and with the index of each value
+  in (layer, K/V, head, dim), then maps it to a multiple of 1/8 in [-15.625, 15.625]: exact in float32,
+  float16 and bfloat16, so equality checks are exact after any copy.
+- `next_token(seed, position)`: the token a request generates after that prefix (outputs are therefore
+  identical with and without the connector).
+All arithmetic stays below 2^63 in int64. Imports torch only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+P = 2**31 - 1
+R = 1_000_003
+_VOCAB = 32000
+_powers = torch.ones(1, dtype=torch.int64)
+
+
+def _powers_upto(n: int) -> torch.Tensor:
+    """R^j mod P for j < n (grown by doubling and cached)."""
+    global _powers
+    while _powers.numel() < n:
+        m = _powers.numel()
+        step = pow(R, m, P)
+        _powers = torch.cat([_powers, (_powers * step) % P])
+    return _powers[:n]
+
+
+def prefix_seeds(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """int64 seeds, one per position: seeds[p] identifies tokens[0..p] (and hence the position)."""
+    t = torch.as_tensor(tokens, dtype=torch.int64) % P
+    terms = ((t + 1) * _powers_upto(t.numel())) % P
+    return torch.cumsum(terms, 0) % P
+
+
+def extend_seed(prev_seed: int, token: int, position: int) -> int:
+    """The seed of position `position` given the seed of `position - 1` (0 for position 0)."""
+    return (prev_seed + ((token % P) + 1) * int(_powers_upto(position + 1)[position])) % P
+
+
+def _value_keys(num_values: int) -> tuple[torch.Tensor, torch.Tensor]:
+    j = torch.arange(num_values, dtype=torch.int64)
+    return (j * 2_654_435_761 + 97) % P | 1, (j * 40_503 + 12_345) % P
+
+
+def kv_values(seeds: torch.Tensor, positions: torch.Tensor, shape: tuple[int, int, int, int],
+              dtype: torch.dtype) -> torch.Tensor:
+    """Expected K/V for the given tokens, shaped (num_layers, 2, num_tokens, num_kv_heads, head_dim).
+
+    `shape` is (num_layers, 2, num_kv_heads, head_dim); `seeds` and `positions` are int64 vectors.
+    """
+    num_layers, two, heads, dim = shape
+    mult, add = _value_keys(num_layers * two * heads * dim)
+    mixed = (seeds * 31 + positions * 1_000_033 + 7) % P
+    v = (mixed.unsqueeze(1) * mult.unsqueeze(0) + add.unsqueeze(0)) % P
+    v = ((v % 251) - 125).to(torch.float32) / 8.0
+    return v.view(-1, num_layers, two, heads, dim).permute(1, 2, 0, 3, 4).to(dtype)
+
+
+def next_token(seed: int, position: int) -> int:
+    return (seed * 48_271 + position * 69_621 + 11) % P % _VOCAB

@@ -1,0 +1,135 @@
+"""The fake model: owns the "GPU" KV cache tensors, writes K/V for computed tokens and verifies reads.
+
+KV cache layout: one tensor per layer, named like vLLM's attention layers, shaped
+(2, num_gpu_blocks, block_size, num_kv_heads, head_dim) (K and V first, vLLM's flash-attention layout).
+
+Per scheduled request and step, `forward`:
+1. verifies every token the request reads: all tokens before its `num_computed_tokens` (computed in
+   earlier steps, GPU prefix-cache hits and blocks loaded from the CPU tier alike) must hold exactly the
+   K/V `kv_pattern` expects; a mismatch increments `num_integrity_errors` and raises `IntegrityError`;
+2. writes the K/V of the tokens it computes this step;
+3. samples the next token (a function of the prefix) when the request's known tokens are all computed.
+Per request it keeps the expected K/V of all known tokens (`ModelRequestState`, on the request), grown as
+tokens are appended and dropped by `release` when the request is done. Verification is one gather and one
+comparison per layer and request: O(tokens read), no Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from offload_connector.config import EngineConfig
+from offload_connector.fake_engine import kv_pattern
+from offload_connector.fake_engine.request import EngineRequest
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class IntegrityError(RuntimeError):
+    """A block a request reads does not hold the K/V its tokens must have: data was lost or misplaced."""
+
+
+@dataclass(slots=True)
+class ModelRequestState:
+    seeds: torch.Tensor  # int64 (capacity,): prefix seed of each known token
+    expected: torch.Tensor  # (num_layers, 2, capacity, num_kv_heads, head_dim)
+    num_known: int = 0  # tokens whose seed and expected K/V are filled
+
+
+class FakeModel:
+    def __init__(self, engine: EngineConfig, num_gpu_blocks: int | None = None) -> None:
+        self.block_size = engine.block_size
+        self.num_gpu_blocks = num_gpu_blocks or engine.num_gpu_blocks
+        self.dtype = _DTYPES[engine.dtype]
+        self.shape = (engine.num_layers, 2, engine.num_kv_heads, engine.head_dim)
+        self.kv_caches: dict[str, torch.Tensor] = {
+            f"model.layers.{i}.self_attn.attn": torch.zeros(
+                2, self.num_gpu_blocks, self.block_size, engine.num_kv_heads, engine.head_dim, dtype=self.dtype)
+            for i in range(engine.num_layers)
+        }
+        self._flat = [t.view(2, self.num_gpu_blocks * self.block_size, *t.shape[3:])
+                      for t in self.kv_caches.values()]
+        self._offsets = torch.arange(self.block_size, dtype=torch.int64)
+        self.num_integrity_errors = 0
+        self.num_verified_tokens = 0
+        self.num_written_tokens = 0
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(t[:, 0].numel() * t.element_size() for t in self.kv_caches.values())
+
+    # ------------------------------------------------------------------ expected contents
+    def _sync(self, req: EngineRequest) -> ModelRequestState:
+        st = req.model_state
+        if st is None:
+            cap = req.num_prompt_tokens + req.max_tokens
+            st = req.model_state = ModelRequestState(
+                torch.zeros(cap, dtype=torch.int64),
+                torch.empty(self.shape[0], 2, cap, *self.shape[2:], dtype=self.dtype))
+        n, end = st.num_known, req.num_tokens
+        if n == end:
+            return st
+        if n == 0:
+            st.seeds[:end] = kv_pattern.prefix_seeds(req.all_token_ids)
+        else:
+            seed = int(st.seeds[n - 1])
+            for p in range(n, end):
+                seed = kv_pattern.extend_seed(seed, req.all_token_ids[p], p)
+                st.seeds[p] = seed
+        positions = torch.arange(n, end, dtype=torch.int64)
+        st.expected[:, :, n:end] = kv_pattern.kv_values(st.seeds[n:end], positions, self.shape, self.dtype)
+        st.num_known = end
+        return st
+
+    def release(self, req: EngineRequest) -> None:
+        req.model_state = None
+
+    def _slots(self, gpu_block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        num_blocks = -(-num_tokens // self.block_size)
+        if num_blocks > len(gpu_block_ids):
+            raise RuntimeError(f"fake model: {num_tokens} tokens need {num_blocks} blocks, the request has "
+                               f"{len(gpu_block_ids)} (engine bug)")
+        ids = torch.tensor(gpu_block_ids[:num_blocks], dtype=torch.int64)
+        return (ids.unsqueeze(1) * self.block_size + self._offsets).flatten()[:num_tokens]
+
+    # ------------------------------------------------------------------ one step
+    def forward(self, chunks: list[tuple[EngineRequest, int]]) -> dict[str, int]:
+        """Run one step: for each (request, num_new_tokens) verify its reads and write its new K/V.
+
+        Returns the sampled token of each request whose known tokens are all computed after this step.
+        Requests' `num_computed_tokens` are the counts before this step (the engine advances them).
+        """
+        sampled: dict[str, int] = {}
+        for req, num_new in chunks:
+            st = self._sync(req)
+            start = req.num_computed_tokens
+            end = start + num_new
+            slots = self._slots(req.gpu_block_ids, end)
+            if start:
+                self._verify(req, st, slots[:start])
+            src = st.expected[:, :, start:end]
+            new_slots = slots[start:end]
+            for layer, flat in enumerate(self._flat):
+                flat.index_copy_(1, new_slots, src[layer])
+            self.num_written_tokens += num_new
+            if end == req.num_tokens:
+                sampled[req.request_id] = kv_pattern.next_token(int(st.seeds[end - 1]), end - 1)
+        return sampled
+
+    def _verify(self, req: EngineRequest, st: ModelRequestState, slots: torch.Tensor) -> None:
+        num = slots.numel()
+        self.num_verified_tokens += num
+        for layer, flat in enumerate(self._flat):
+            got = flat.index_select(1, slots)
+            want = st.expected[layer, :, :num]
+            if torch.equal(got, want):
+                continue
+            bad = (got != want).flatten(2).any(2).any(0).nonzero().flatten().tolist()
+            bad_blocks = sorted({req.gpu_block_ids[p // self.block_size] for p in bad})
+            self.num_integrity_errors += 1
+            raise IntegrityError(
+                f"request {req.request_id}: layer {layer} holds wrong K/V at {len(bad)} of {num} token "
+                f"positions read (first position {bad[0]}), GPU blocks {bad_blocks[:16]}"
+                f"{' ...' if len(bad_blocks) > 16 else ''}")

@@ -1,0 +1,261 @@
+"""The fake engine's scheduler: vLLM v1's waiting/running queues, token budget and the connector's
+scheduler-side hooks, called in vLLM's order.
+
+Per step, `schedule()`:
+1. running requests first, in order: each gets min(remaining tokens, token budget) new tokens (chunked
+   prefill, then one token per decode step); when the GPU pool is short, the last running request is
+   preempted (blocks freed, `request_preempted`, back to the front of the waiting queue, KV recomputed);
+2. then, unless something was preempted, waiting requests in FCFS order while budget and `max_num_seqs`
+   allow: a request with no computed tokens does a GPU prefix-cache lookup, then
+   `get_num_new_matched_tokens` (None: skip it this step); blocks are allocated, then
+   `update_state_after_alloc`; an async CPU load parks it in WAITING_FOR_REMOTE_KVS (not computed this step);
+   a request whose load finished resumes with its loaded blocks cached (vLLM's delayed caching) and its
+   `num_computed_tokens` cut before the first failed block, if any.
+`update_from_output` applies the forward (advance, cache full blocks, append sampled tokens, finish) and
+`update_from_connector` the worker's report. Finishing or aborting calls `request_finished` *before* the
+engine frees the blocks. Per-step cost is O(scheduled requests + their new blocks + parked loads).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from offload_connector.config import EngineConfig
+from offload_connector.fake_engine.gpu_cache import GpuCache
+from offload_connector.fake_engine.request import EngineRequest, RequestStatus
+from offload_connector.fake_engine.stats import EngineStats, HitSample
+from offload_connector.metadata import WorkerReport
+from scheduler_side import OffloadScheduler, StepRequest
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[tuple[EngineRequest, int]] = field(default_factory=list)  # (request, new tokens)
+    step_requests: list[StepRequest] = field(default_factory=list)
+    num_parked: int = 0  # requests waiting for a CPU load this step
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+
+class EngineScheduler:
+    def __init__(self, engine: EngineConfig, gpu: GpuCache, connector: OffloadScheduler | None,
+                 stats: EngineStats, on_done: Callable[[EngineRequest], None]) -> None:
+        self.block_size = engine.block_size
+        self.max_num_batched_tokens = engine.max_num_batched_tokens
+        self.max_num_seqs = engine.max_num_seqs
+        self.gpu = gpu
+        self.connector = connector
+        self.stats = stats
+        self.on_done = on_done
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.requests: dict[str, EngineRequest] = {}  # every unfinished request
+        self._loading: dict[int, EngineRequest] = {}  # GPU block id -> request it is being loaded for
+        self.step_index = 0
+
+    # ------------------------------------------------------------------ requests in and out
+    def add(self, req: EngineRequest) -> bool:
+        """Queue a request; False (and ABORTED) if the GPU pool could never hold it, like max_model_len."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in the engine")
+        self.stats.requests += 1
+        if -(-req.max_num_tokens // self.block_size) > self.gpu.num_usable_blocks:
+            req.status = RequestStatus.ABORTED
+            self.stats.rejected_requests += 1
+            return False
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, RequestStatus.ABORTED)
+        return True
+
+    def _finish(self, req: EngineRequest, status: RequestStatus) -> None:
+        if self.connector is not None:
+            self.connector.request_finished(req)  # before the blocks are freed, as in vLLM
+        self._clear_load(req)
+        self.gpu.free(req)
+        req.status = status
+        del self.requests[req.request_id]
+        if status is RequestStatus.FINISHED:
+            self.stats.finished_requests += 1
+        else:
+            self.stats.aborted_requests += 1
+        self.on_done(req)
+
+    def _clear_load(self, req: EngineRequest) -> None:
+        for gpu_block_id in req.load_gpu_block_ids:
+            self._loading.pop(gpu_block_id, None)
+        req.load_gpu_block_ids = []
+        req.load_done = False
+        req.failed_load_gpu_blocks = set()
+
+    def _preempt(self, req: EngineRequest) -> None:
+        self.gpu.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        if self.connector is not None:
+            self.connector.request_preempted(req.request_id)
+        self.waiting.appendleft(req)
+        self.stats.num_preemptions += 1
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> SchedulerOutput:
+        self.step_index += 1
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_ids = self.gpu.allocate(req, req.num_computed_tokens + num_new)
+            while new_ids is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+                new_ids = self.gpu.allocate(req, req.num_computed_tokens + num_new)
+            if new_ids is None:
+                break
+            out.chunks.append((req, num_new))
+            out.step_requests.append(StepRequest(req.request_id, new_ids, req.num_computed_tokens + num_new))
+            budget -= num_new
+            i += 1
+        if not preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[EngineRequest] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if not req.load_done:
+                    skipped.append(self.waiting.popleft())
+                    continue
+                self._finish_load(req)
+            hit_blocks = []
+            num_external = 0
+            load_async = False
+            num_computed = req.num_computed_tokens
+            if num_computed == 0:
+                hit_blocks = self.gpu.find_hit(req)
+                num_computed = len(hit_blocks) * self.block_size
+                if self.connector is not None:
+                    matched, load_async = self.connector.get_num_new_matched_tokens(req, num_computed)
+                    if matched is None:
+                        skipped.append(self.waiting.popleft())  # ask again next step
+                        continue
+                    num_external = matched
+                if num_external and not load_async:
+                    raise RuntimeError("the fake engine only supports async loads from the connector")
+            num_new = 0 if load_async else min(req.num_tokens - num_computed - num_external, budget)
+            if self.gpu.allocate(req, num_computed + num_external + num_new, hit_blocks) is None:
+                break  # no preemption for waiting requests (vLLM); the pending hit is dropped at next lookup
+            self.waiting.popleft()
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(req, list(req.gpu_block_ids), num_external)
+            if req.is_first_admission and req.num_computed_tokens == 0:
+                req.num_gpu_hit_tokens = num_computed
+            req.num_computed_tokens = num_computed
+            if load_async:
+                self._park(req, num_external)
+                skipped.append(req)
+                continue
+            self._start_running(req)
+            out.chunks.append((req, num_new))
+            out.step_requests.append(
+                StepRequest(req.request_id, list(req.gpu_block_ids), num_computed + num_new, True))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        out.num_parked = sum(1 for r in skipped if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS)
+
+    def _park(self, req: EngineRequest, num_external: int) -> None:
+        """The request waits for its CPU load (blocks after its GPU hit) before it can run."""
+        first = req.num_computed_tokens // self.block_size
+        req.load_gpu_block_ids = req.gpu_block_ids[first:first + num_external // self.block_size]
+        for gpu_block_id in req.load_gpu_block_ids:
+            self._loading[gpu_block_id] = req
+        req.load_done = False
+        req.load_issue_step = self.step_index
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.stats.num_loads += 1
+
+    def _finish_load(self, req: EngineRequest) -> None:
+        """The load finished: count loaded tokens up to the first failed block, cache them, resume."""
+        loaded = len(req.load_gpu_block_ids)
+        for k, gpu_block_id in enumerate(req.load_gpu_block_ids):
+            if gpu_block_id in req.failed_load_gpu_blocks:
+                loaded = k
+                self.stats.failed_load_blocks += len(req.load_gpu_block_ids) - k
+                break
+        num_loaded = loaded * self.block_size
+        req.num_computed_tokens += num_loaded
+        if req.is_first_admission:
+            req.num_cpu_hit_tokens = num_loaded
+        self.gpu.cache_blocks(req, req.num_computed_tokens)
+        waited = self.step_index - req.load_issue_step
+        self.stats.load_wait_steps += waited
+        self.stats.max_load_wait_steps = max(self.stats.max_load_wait_steps, waited)
+        self._clear_load(req)
+        req.status = RequestStatus.WAITING
+
+    def _start_running(self, req: EngineRequest) -> None:
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        if req.is_first_admission:
+            req.is_first_admission = False
+            s = self.stats
+            s.prompt_tokens += req.num_prompt_tokens
+            s.gpu_hit_tokens += req.num_gpu_hit_tokens
+            s.cpu_hit_tokens += req.num_cpu_hit_tokens
+            s.samples.append(HitSample(self.step_index, req.num_prompt_tokens, req.num_gpu_hit_tokens,
+                                       req.num_cpu_hit_tokens))
+
+    # ------------------------------------------------------------------ results of the step
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[EngineRequest]:
+        """Apply the forward: advance, cache computed full blocks, append sampled tokens, finish."""
+        finished = []
+        for req, num_new in out.chunks:
+            start = req.num_computed_tokens
+            req.num_computed_tokens = start + num_new
+            self.stats.computed_tokens += num_new
+            if start < req.num_ever_computed:
+                self.stats.recomputed_tokens += min(req.num_ever_computed, start + num_new) - start
+            req.num_ever_computed = max(req.num_ever_computed, req.num_computed_tokens)
+            self.gpu.cache_blocks(req, req.num_computed_tokens)
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.append_output_token(token)
+            self.stats.output_tokens += 1
+            if req.is_finished:
+                self.running.remove(req)
+                self._finish(req, RequestStatus.FINISHED)
+                finished.append(req)
+        return finished
+
+    def update_from_connector(self, report: WorkerReport) -> None:
+        """Record the worker's load completions and failed load blocks (the connector already saw them)."""
+        for gpu_block_id in report.failed_load_gpu_blocks:
+            req = self._loading.get(gpu_block_id)
+            if req is not None:
+                req.failed_load_gpu_blocks.add(gpu_block_id)
+        for req_id in report.finished_load_reqs:
+            req = self.requests.get(req_id)
+            if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                req.load_done = True

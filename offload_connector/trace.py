@@ -1,0 +1,126 @@
+"""Mooncake-format request traces: reading them and turning hash ids into token ids.
+
+A trace is JSON Lines, one request per line: `timestamp` (ms), `input_length` (prompt tokens),
+`output_length` (tokens to generate) and `hash_ids` (one id per 512-token block of the prompt; ids are
+chained, so equal ids at the same position mean equal prefixes).
+
+Invariants kept here:
+- `read_trace` either returns every request of the file or raises `TraceError` naming the file, the
+  1-based line number, the key and what is allowed; blank lines are skipped.
+- Token synthesis is a pure function of the hash id: equal hash ids always give equal token blocks, so
+  the engine's chained block hashes reproduce the trace's chains; distinct ids give distinct blocks.
+- `scaled=True` makes one trace block one engine block: `block_size` tokens per hash id (the prompt is
+  `len(hash_ids) * block_size` tokens) and the output length is scaled by `block_size / 512`.
+
+Imports nothing from the project and no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+TRACE_BLOCK_TOKENS = 512
+VOCAB_SIZE = 32000
+BUNDLED_TRACE = "mooncake_synthetic_trace.jsonl"
+
+
+class TraceError(ValueError):
+    """A malformed trace: the message names the file, the line, the key and what is allowed."""
+
+
+class TraceRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
+    timestamp: int | float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+
+
+_decoder = msgspec.json.Decoder(TraceRequest)
+
+
+def bundled_trace_path() -> Path:
+    """Path of the bundled Mooncake synthetic trace (Apache-2.0, see offload_connector/data/NOTICE)."""
+    return Path(str(resources.files("offload_connector.data").joinpath(BUNDLED_TRACE)))
+
+
+def _check(path: str, lineno: int, req: TraceRequest) -> None:
+    def fail(key: str, value: object, allowed: str) -> TraceError:
+        return TraceError(f"{path}:{lineno}: invalid '{key}': got {value!r}; allowed: {allowed}")
+
+    if isinstance(req.timestamp, bool) or req.timestamp < 0:
+        raise fail("timestamp", req.timestamp, "a number >= 0 (milliseconds)")
+    if req.input_length < 1:
+        raise fail("input_length", req.input_length, "an int >= 1")
+    if req.output_length < 1:
+        raise fail("output_length", req.output_length, "an int >= 1")
+    want = -(-req.input_length // TRACE_BLOCK_TOKENS)
+    if len(req.hash_ids) != want:
+        raise fail("hash_ids", f"{len(req.hash_ids)} ids", f"ceil(input_length / 512) = {want} ids")
+    if any(h < 0 for h in req.hash_ids):
+        raise fail("hash_ids", min(req.hash_ids), "non-negative ints")
+
+
+def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
+    """Yield the requests of a trace file in order; raise TraceError at the first malformed line."""
+    name = str(path)
+    try:
+        fh = open(path, "rb")
+    except OSError as exc:
+        raise TraceError(f"cannot open trace {name!r}: {exc.strerror}") from None
+    with fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                req = _decoder.decode(line)
+            except msgspec.ValidationError as exc:
+                raise TraceError(f"{name}:{lineno}: {exc}; expected keys timestamp, input_length, "
+                                 "output_length (ints), hash_ids (list of ints)") from None
+            except msgspec.DecodeError as exc:
+                raise TraceError(f"{name}:{lineno}: not a JSON object ({exc})") from None
+            _check(name, lineno, req)
+            yield req
+
+
+def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
+    """The first `limit` requests (all when None) of a trace file."""
+    out: list[TraceRequest] = []
+    for req in iter_trace(path):
+        if limit is not None and len(out) >= limit:
+            break
+        out.append(req)
+    return out
+
+
+def block_tokens(hash_id: int, num_tokens: int) -> np.ndarray:
+    """The first `num_tokens` tokens of the block named `hash_id`: a fixed pseudo-random function of it."""
+    i = np.arange(num_tokens, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = np.uint64(hash_id) * np.uint64(0x9E3779B97F4A7C15) + (i + np.uint64(1)) * np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(31)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(29)
+    return (x % np.uint64(VOCAB_SIZE)).astype(np.int64)
+
+
+def prompt_length(req: TraceRequest, block_size: int, scaled: bool) -> int:
+    return len(req.hash_ids) * block_size if scaled else req.input_length
+
+
+def output_length(req: TraceRequest, block_size: int, scaled: bool) -> int:
+    if not scaled:
+        return req.output_length
+    return max(1, -(-req.output_length * block_size // TRACE_BLOCK_TOKENS))
+
+
+def prompt_tokens(req: TraceRequest, block_size: int, scaled: bool) -> list[int]:
+    """Token ids of a trace request's prompt (see the module docstring for `scaled`)."""
+    per_block = block_size if scaled else TRACE_BLOCK_TOKENS
+    length = prompt_length(req, block_size, scaled)
+    parts = [block_tokens(h, min(per_block, length - i * per_block)) for i, h in enumerate(req.hash_ids)]
+    return np.concatenate(parts).tolist()
