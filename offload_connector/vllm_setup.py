@@ -1,0 +1,111 @@
+"""Start-up checks and sizing for the vLLM adapter: everything decided once, before the first step.
+
+- `resolve_config(extra)`: `kv_connector_extra_config` -> `OffloadConfig`. `{"config_file": path}` names a
+  YAML file (else the embedded default is the base); every other key is an inline config key and wins over
+  the file, key by key (`merge_configs`). Bad keys/values raise `ConfigError` naming them.
+- `describe_kv_cache(vllm_config, kv_cache_config)`: the one KV-cache shape both roles size the CPU tier
+  from. Both roles call it with the same `kv_cache_config`, so the scheduler and every worker rank agree
+  on `bytes_per_block` and hence on `num_cpu_blocks` (the workers re-check against their real tensors).
+  Unsupported set-ups (several KV-cache groups, non-full-attention, prefix caching off, pipeline
+  parallelism, a block size that differs from vLLM's hash block size) raise `UnsupportedSetupError`.
+
+Imports no vLLM at module level; only reads attributes of the objects vLLM passes in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from offload_connector.config import ConfigError, OffloadConfig, load_config, merge_configs
+from offload_connector.sizing import num_cpu_blocks
+
+
+class UnsupportedSetupError(ValueError):
+    """The vLLM set-up cannot be served by this connector: names what is wrong and what is allowed."""
+
+
+def resolve_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
+    """Our config from vLLM's `kv_connector_extra_config` (file, then inline keys on top)."""
+    inline = dict(extra or {})
+    config_file = inline.pop("config_file", None)
+    if config_file is not None and not isinstance(config_file, str):
+        raise ConfigError("config_file", config_file, "a path (string) to a YAML file")
+    base = msgspec.to_builtins(load_config(config_file))  # None -> the embedded default
+    return load_config(merge_configs(base, inline))
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheShape:
+    """What the CPU tier needs to know about vLLM's KV cache, per worker rank."""
+
+    block_size: int  # tokens per block (== vLLM's hash block size)
+    bytes_per_block: int  # bytes of one block across all layers of one rank
+    num_layers: int
+    num_gpu_blocks: int
+    world_size: int
+    layout: str | None  # vLLM's resolved KV-cache layout name, e.g. "LBNHC"
+
+    def num_cpu_blocks(self, config: OffloadConfig) -> int:
+        return num_cpu_blocks(config, self.bytes_per_block, self.world_size)
+
+
+def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
+    """Validate the set-up and return the KV-cache shape; raises UnsupportedSetupError."""
+    if kv_cache_config is None:
+        raise UnsupportedSetupError("OffloadConnector needs vLLM's kv_cache_config (vLLM >= 0.11 passes it)")
+    cache_config = vllm_config.cache_config
+    if not cache_config.enable_prefix_caching:
+        raise UnsupportedSetupError(
+            "OffloadConnector needs prefix caching: got enable_prefix_caching=False; allowed: True "
+            "(the CPU tier is keyed by vLLM's block hashes, which exist only with prefix caching)"
+        )
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1:
+        raise UnsupportedSetupError(
+            f"OffloadConnector does not support pipeline parallelism: got pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size}; allowed: 1 (tensor parallelism is supported)"
+        )
+    groups = list(kv_cache_config.kv_cache_groups)
+    if len(groups) != 1:
+        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
+        raise UnsupportedSetupError(
+            f"OffloadConnector supports one KV-cache group (full attention); this model has {len(groups)} "
+            f"groups ({kinds}). Hybrid models (sliding window + full, Mamba) are not supported; allowed: "
+            "a single full-attention group (vLLM merges sliding-window layers into it when the hybrid KV "
+            "cache manager is disabled)"
+        )
+    spec = groups[0].kv_cache_spec
+    if not _is_full_attention(spec):
+        raise UnsupportedSetupError(
+            f"OffloadConnector supports full-attention KV caches; got {type(spec).__name__}; "
+            "allowed: FullAttentionSpec (incl. MLA)"
+        )
+    block_size = int(spec.block_size)
+    hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or cache_config.block_size
+    if block_size != cache_config.block_size or block_size != hash_block_size:
+        raise UnsupportedSetupError(
+            f"OffloadConnector needs the KV-cache block size to equal vLLM's block hash size: got block "
+            f"size {block_size}, cache_config.block_size={cache_config.block_size}, hash block size "
+            f"{hash_block_size}; allowed: all equal (set --block-size explicitly)"
+        )
+    tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or [])
+    num_layers = sum(len(t.layers) for t in tensors) if tensors else len(groups[0].layer_names)
+    if num_layers <= 0:
+        raise UnsupportedSetupError("OffloadConnector found no KV-cache layers in kv_cache_config")
+    return KVCacheShape(
+        block_size=block_size,
+        bytes_per_block=int(spec.page_size_bytes) * num_layers,
+        num_layers=num_layers,
+        num_gpu_blocks=int(kv_cache_config.num_blocks),
+        world_size=int(parallel.world_size),
+        layout=getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cache_config, "kv_cache_layout", None),
+    )
+
+
+def _is_full_attention(spec: Any) -> bool:
+    """FullAttentionSpec or a subclass (MLA), judged by the class hierarchy's names (no vLLM import)."""
+    return any(cls.__name__ == "FullAttentionSpec" for cls in type(spec).__mro__)

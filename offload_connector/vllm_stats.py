@@ -1,0 +1,135 @@
+"""Connector stats for vLLM's logger and Prometheus (`KVConnectorStats` / `KVConnectorPromMetrics`).
+
+Payload (`OffloadConnectorStats.data`, plain dict so it survives vLLM's IPC):
+    {"counters": {name: number}, "gauges": {name: number}}
+Counters are per-interval deltas and are summed by `aggregate`; gauges are snapshots and the newest wins.
+Only the scheduler role produces stats (worker byte/second figures reach it through the worker reports),
+so nothing is counted twice under tensor parallelism.
+
+`StatsTracker` turns the scheduler side's running counters (`SchedulerStats`, never reset) into deltas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+COUNTERS = (
+    "num_lookups", "num_lookup_tokens", "num_hit_tokens", "num_loaded_blocks", "num_stored_blocks",
+    "num_store_skipped_blocks", "num_failed_store_blocks", "num_failed_load_blocks", "num_cpu_evictions",
+    "bytes_stored", "bytes_loaded", "store_seconds", "load_seconds",
+)
+GAUGES = ("cpu_pool_usage", "cpu_blocks_cached", "cpu_blocks_total")
+
+_DOCS = {
+    "num_lookups": "CPU-tier lookups (one per request admission attempt)",
+    "num_lookup_tokens": "prompt tokens looked up in the CPU tier (after the GPU prefix hit)",
+    "num_hit_tokens": "tokens loaded from the CPU tier instead of being recomputed",
+    "num_loaded_blocks": "blocks loaded CPU->GPU",
+    "num_stored_blocks": "blocks stored GPU->CPU",
+    "num_store_skipped_blocks": "stores skipped because the CPU pool was pinned full",
+    "num_failed_store_blocks": "blocks whose store failed",
+    "num_failed_load_blocks": "blocks whose load failed (recomputed by vLLM)",
+    "num_cpu_evictions": "CPU-tier blocks evicted (LRU)",
+    "bytes_stored": "bytes stored GPU->CPU (all ranks)",
+    "bytes_loaded": "bytes loaded CPU->GPU (all ranks)",
+    "store_seconds": "seconds spent in stores (all ranks)",
+    "load_seconds": "seconds spent in loads (all ranks)",
+    "cpu_pool_usage": "fraction of CPU blocks referenced by transfers or pending hits",
+    "cpu_blocks_cached": "CPU blocks holding a hit-able copy",
+    "cpu_blocks_total": "CPU blocks per rank",
+}
+
+
+@dataclass
+class OffloadConnectorStats(KVConnectorStats):
+    def __post_init__(self) -> None:
+        if "counters" not in self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {"counters": {}, "gauges": {}}
+
+    @property
+    def counters(self) -> dict[str, float]:
+        return self.data["counters"]
+
+    @property
+    def gauges(self) -> dict[str, float]:
+        return self.data["gauges"]
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if not isinstance(other, OffloadConnectorStats):
+            raise TypeError(f"cannot aggregate OffloadConnectorStats with {type(other).__name__}")
+        for name, value in other.counters.items():
+            self.counters[name] = self.counters.get(name, 0) + value
+        self.gauges.update(other.gauges)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        c = self.counters
+        out: dict[str, int | float] = {name: c[name] for name in COUNTERS if c.get(name)}
+        lookup_tokens = c.get("num_lookup_tokens", 0)
+        if lookup_tokens:
+            out["cpu_hit_rate"] = round(c.get("num_hit_tokens", 0) / lookup_tokens, 4)
+        for direction in ("store", "load"):
+            seconds = c.get(f"{direction}_seconds", 0)
+            if seconds > 0:
+                out[f"{direction}_GBps"] = round(c.get(f"bytes_{direction}d", 0) / seconds / 1e9, 3)
+        out.update(self.gauges)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.counters.values())
+
+
+class StatsTracker:
+    """Deltas of the scheduler side's running counters since the previous `take()`."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def take(self, snapshot: dict[str, float], gauges: dict[str, float]) -> OffloadConnectorStats | None:
+        deltas = {name: snapshot[name] - self._last.get(name, 0) for name in COUNTERS if name in snapshot}
+        self._last = dict(snapshot)
+        if not any(deltas.values()):
+            return None
+        return OffloadConnectorStats(data={"counters": {k: v for k, v in deltas.items() if v},
+                                           "gauges": dict(gauges)})
+
+
+class OffloadPromMetrics(KVConnectorPromMetrics):
+    """`vllm:offload_connector_*` counters and gauges, one child per engine."""
+
+    def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._metrics: dict[str, Any] = {}
+        for name in COUNTERS:
+            self._metrics[name] = self._counter_cls(
+                name=f"vllm:offload_connector_{name}", documentation=_DOCS[name], labelnames=labelnames)
+        for name in GAUGES:
+            self._metrics[name] = self._gauge_cls(
+                name=f"vllm:offload_connector_{name}", documentation=_DOCS[name], labelnames=labelnames,
+                multiprocess_mode="mostrecent")
+        self._children: dict[tuple[int, str], Any] = {}
+
+    def _child(self, engine_idx: int, name: str) -> Any:
+        child = self._children.get((engine_idx, name))
+        if child is None:
+            child = self._metrics[name].labels(*self.per_engine_labelvalues[engine_idx])
+            self._children[(engine_idx, name)] = child
+        return child
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.get("counters", {}).items():
+            if name in self._metrics and value > 0:
+                self._child(engine_idx, name).inc(value)
+        for name, value in transfer_stats_data.get("gauges", {}).items():
+            if name in self._metrics:
+                self._child(engine_idx, name).set(value)
