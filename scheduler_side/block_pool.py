@@ -91,6 +91,18 @@ class BlockPool:
                 else:
                     self.free_queue.append(block)
 
+    def discard(self, block: Block) -> bool:
+        """Forget a free cached block's content and move it to the head of the free queue.
+
+        Held blocks are left alone (False): someone is still copying from or to them.
+        """
+        if block.ref_cnt != 0:
+            return False
+        self._drop_hash(block)
+        self.free_queue.remove(block)
+        self.free_queue.appendleft(block)
+        return True
+
     def cache(self, block: Block, block_hash: bytes) -> bool:
         """Register `block` as holding `block_hash`. False (no change) if another block already does."""
         current = self.cached.get(block_hash)

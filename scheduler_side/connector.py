@@ -104,6 +104,7 @@ class OffloadScheduler:
             return 0, False  # a partial GPU hit: the CPU run could not start on a block boundary
         hashes = request.block_hashes
         first = num_computed_tokens // bs
+        self.policy.on_lookup(state, first)
         last = min(len(hashes), (request.num_tokens - 1) // bs)  # keep >= 1 token to compute
         self.stats.num_lookup_tokens += max(0, request.num_tokens - num_computed_tokens)
         hits: list[Block] = []
@@ -304,6 +305,7 @@ class OffloadScheduler:
             self.stats.num_stored_blocks += len(event.cpu_blocks)
             self.cpu_pool.free(event.cpu_blocks)
         self.gpu_pool.free(event.gpu_block_ids, front=self.policy.gpu_copy_worthless_after_store)
+        self.policy.on_store_complete(event)
 
     def _on_cpu_evict(self, key: bytes) -> None:
         self.stats.num_cpu_evictions += 1

@@ -34,6 +34,12 @@ class GpuPool(Protocol):
     def eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         """(gpu_block_id, cache key or None) of free blocks, from the eviction frontier onwards."""
 
+    def move_to_front(self, blocks: Sequence[tuple[int, bytes | None]]) -> None:
+        """Put these free blocks at the head of the free queue, first listed nearest the head.
+
+        A block that is held now, or whose cache key is no longer the one given, is left where it is.
+        """
+
 
 class StepRequest(NamedTuple):
     """One request scheduled this step.
@@ -66,3 +72,11 @@ class BlockPoolGpuView:
     def eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         for block in self.pool.free_queue:
             yield block.block_id, block.block_hash
+
+    def move_to_front(self, blocks: Sequence[tuple[int, bytes | None]]) -> None:
+        queue = self.pool.free_queue
+        for gpu_block_id, key in reversed(blocks):
+            block = self.pool.blocks[gpu_block_id]
+            if block.ref_cnt == 0 and block.block_hash == key:
+                queue.remove(block)
+                queue.appendleft(block)

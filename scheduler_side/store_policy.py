@@ -4,9 +4,9 @@
   unless it is already cached on the CPU or being stored. Cost per step: O(newly completed blocks).
 - `LazyStorePolicy` (exclusive-leaning tier): only free, hashed GPU blocks within `lookahead` blocks of the
   GPU pool's eviction frontier that are not on the CPU yet, so the GPU evicts only saved blocks. Saved GPU
-  blocks go back to the head of the GPU free queue (they were at the frontier), and CPU copies that were just
-  loaded to the GPU go to the head of the CPU free queue (they are resident on the GPU now).
-  Cost per step: O(lookahead).
+  blocks return to their place in the GPU free queue (LRU order is kept), and CPU copies of blocks that
+  were just loaded to the GPU, or that a request just hit on the GPU, are forgotten and go to the head of
+  the CPU free queue (the GPU holds them now; the tiers stay mostly exclusive). Cost per step: O(lookahead); per lookup O(GPU-hit blocks).
 
 A policy never allocates; the scheduler allocates CPU blocks for what it selects.
 """
@@ -34,6 +34,8 @@ class StorePolicy:
         """Cached on the CPU (a hit-able copy exists) or being stored right now."""
         return key in self.sched.cpu_pool.cached or key in self.sched._inflight_store_keys
 
+    def on_lookup(self, state: RequestState, num_gpu_hit_blocks: int) -> None: ...
+
     def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None: ...
 
     def select_stores(self) -> tuple[list[int], list[bytes]]:
@@ -44,6 +46,8 @@ class StorePolicy:
     def on_load_complete(self, job: LoadJob) -> None: ...
 
     def on_store_scheduled(self, event: StoreEvent) -> None: ...
+
+    def on_store_complete(self, event: StoreEvent) -> None: ...
 
     def on_request_gone(self, state: RequestState) -> None: ...
 
@@ -87,6 +91,8 @@ class LazyStorePolicy(StorePolicy):
         self._fixed = sched.config.lazy_lookahead_blocks
         self._step_alloc = 0  # blocks the engine handed to requests this step
         self._peak_alloc = 0.0  # decaying peak of per-step allocations
+        self._scanned: list[tuple[int, bytes | None]] = []  # the frontier this step's selection scanned
+        self._frontier_of: dict[int, list[tuple[int, bytes | None]]] = {}  # store event -> its frontier
 
     @property
     def lookahead(self) -> int:
@@ -95,6 +101,21 @@ class LazyStorePolicy(StorePolicy):
         if self.sched.max_blocks_per_step is not None:
             return self.sched.max_blocks_per_step
         return max(16, int(2 * self._peak_alloc))
+
+    def on_lookup(self, state: RequestState, num_gpu_hit_blocks: int) -> None:
+        """The request's GPU-hit blocks are resident on the GPU: their CPU copies go first."""
+        hashes = state.request.block_hashes
+        cpu_pool, group = self.sched.cpu_pool, self.sched.group_id
+        for i in range(min(num_gpu_hit_blocks, len(hashes))):
+            block = cpu_pool.lookup(with_group_id(hashes[i], group))
+            if block is not None:
+                cpu_pool.discard(block)
+
+    def on_load_complete(self, job: LoadJob) -> None:
+        """The loaded blocks are resident on the GPU now: their CPU copies give way."""
+        for block in job.cpu_blocks:
+            if block.ref_cnt == 1:  # only the load's own reference, dropped right after this
+                self.sched.cpu_pool.uncache(block)
 
     def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None:
         self._step_alloc = max(self._step_alloc, len(state.gpu_block_ids) - state.num_store_checked_blocks)
@@ -105,15 +126,32 @@ class LazyStorePolicy(StorePolicy):
         self._step_alloc = 0
         gpu_ids: list[int] = []
         keys: list[bytes] = []
+        scanned: list[tuple[int, bytes | None]] = []
         budget = self.lookahead
         for gpu_id, key in self.sched.gpu_pool.eviction_candidates():
             if budget <= 0:
                 break
             budget -= 1
+            scanned.append((gpu_id, key))
             if key is not None and not self._is_saved(key):
                 gpu_ids.append(gpu_id)
                 keys.append(key)
+        self._scanned = scanned
         return gpu_ids, keys
+
+    def on_store_scheduled(self, event: StoreEvent) -> None:
+        """Remember the frontier up to the last block this event stores (a full CPU pool may cut it)."""
+        last = event.gpu_block_ids[-1]
+        frontier = self._scanned
+        end = next(i for i in range(len(frontier) - 1, -1, -1) if frontier[i][0] == last)
+        self._frontier_of[event.event_id] = frontier[:end + 1]
+        self._scanned = []
+
+    def on_store_complete(self, event: StoreEvent) -> None:
+        """Saved blocks went back to the head; restore the frontier's LRU order around them."""
+        frontier = self._frontier_of.pop(event.event_id, None)
+        if frontier:
+            self.sched.gpu_pool.move_to_front(frontier)
 
 
 def make_store_policy(config: OffloadConfig, sched: OffloadScheduler) -> StorePolicy:

@@ -1,5 +1,5 @@
-"""Lazy stores: only hashed GPU blocks near the eviction frontier are saved, and saved copies keep
-their LRU position; a CPU copy just loaded to the GPU is the first to go."""
+"""Lazy stores: only hashed GPU blocks near the eviction frontier are saved, saved GPU blocks keep
+their LRU position, and a CPU copy of a block resident on the GPU gives way."""
 
 from helpers import FakeRequest, admit, make_scheduler, report, step_done
 
@@ -31,12 +31,12 @@ def test_lazy_stores_only_near_the_eviction_frontier():
     meta = sched.build_connector_meta([])
     assert meta.store_gpu_blocks == [a_ids[1], a_ids[0]]  # frontier order: the tail block first
     sched.update_connector_output(report(completed_store_events=[meta.store_event]))
-    # the saved GPU blocks went back to the head of the free queue, in their frontier order
-    assert [b.block_id for b in gpu.free_queue] == [a_ids[1], a_ids[0], 7, 8]
+    # the saved GPU blocks are back in the free queue at their old LRU position
+    assert [b.block_id for b in gpu.free_queue] == [7, 8, a_ids[1], a_ids[0]]
     assert sched.build_connector_meta([]).store_event is None  # already saved: not stored twice
 
 
-def test_lazy_loaded_cpu_copy_is_evicted_first():
+def test_lazy_loaded_cpu_copy_gives_way():
     sched, gpu = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=6, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=20)
     a = FakeRequest("A", list(range(9)), BS)
@@ -51,6 +51,21 @@ def test_lazy_loaded_cpu_copy_is_evicted_first():
     meta = sched.build_connector_meta([])
     sched.update_connector_output(report(finished_load_reqs=["B"]))
     assert [b.block_id for b in sched.cpu_pool.free_queue][:2] == meta.load_cpu_blocks
+    assert sched.get_num_new_matched_tokens(FakeRequest("C", list(range(9)), BS), 0) == (0, False)
     sched.request_finished(b)
     gpu.free([gpu.blocks[i] for i in reversed(ids)])
     sched.check_integrity()
+
+
+def test_lazy_gpu_hit_discards_the_cpu_copy():
+    sched, gpu = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=6, block_size=BS,
+                                store_policy="lazy", lazy_lookahead_blocks=20)
+    a = FakeRequest("A", list(range(9)), BS)
+    compute_and_free(sched, gpu, a)
+    meta = sched.build_connector_meta([])
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    b = FakeRequest("B", list(range(9)), BS)
+    # B hits both blocks on the GPU: the CPU copies are resident twice, so they give way
+    assert sched.get_num_new_matched_tokens(b, 8) == (0, False)
+    assert {blk.block_id for blk in list(sched.cpu_pool.free_queue)[:2]} == set(meta.store_cpu_blocks)
+    assert not sched.cpu_pool.cached
