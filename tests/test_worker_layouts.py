@@ -138,3 +138,11 @@ def test_layout_hint_errors_name_allowed_values():
         tensor_block_view("x", t, num_gpu_blocks=5)
     with pytest.raises(LayoutError, match="kv_first"):
         tensor_block_view("x", t, layout="kv_first")
+
+
+def test_vllm_layout_enum_members_are_accepted_by_name():
+    import enum
+
+    Layout = enum.Enum("KVCacheLayout", {"LBNHC": (0, 1, 3, 2, 4)})
+    view = tensor_block_view("l", torch.zeros(NUM_GPU_BLOCKS, 2, 8, 4), NUM_GPU_BLOCKS, Layout.LBNHC)
+    assert view.num_blocks == NUM_GPU_BLOCKS and view.runs_are_contiguous

@@ -71,8 +71,11 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
-def _normalize_hint(layout: str | None) -> str:
+def _normalize_hint(layout: object) -> str:
+    """A layout hint as a string; vLLM's `KVCacheLayout` enum members are accepted by name."""
     hint = "auto" if layout is None else layout
+    if not isinstance(hint, str) and isinstance(getattr(hint, "name", None), str):
+        hint = hint.name
     if hint not in ALLOWED_LAYOUTS:
         raise LayoutError(f"unknown KV cache layout hint {layout!r}; allowed: {', '.join(ALLOWED_LAYOUTS)}")
     return hint
@@ -115,7 +118,7 @@ def _find_block_dim(name: str, shape: tuple[int, ...], num_gpu_blocks: int | Non
 
 
 def tensor_block_view(name: str, tensor: torch.Tensor, num_gpu_blocks: int | None = None,
-                      layout: str | None = None) -> TensorBlockView:
+                      layout: object = None) -> TensorBlockView:
     """Work out the block geometry of `tensor`; raise LayoutError rather than guess."""
     hint = _normalize_hint(layout)
     if not isinstance(tensor, torch.Tensor):
