@@ -4,7 +4,7 @@ Direction words: *store* is GPU->CPU, *load* is CPU->GPU (never swap/spill/fetch
 
 - `TransferMetadata`: scheduler -> workers, once per step. All loads of a step form one load event and
   all stores one store event. `load_gpu_blocks[i]` receives `load_cpu_blocks[i]`; `store_gpu_blocks[i]`
-  is copied into `store_cpu_blocks[i]`. `load_req_gpu_blocks[j]` tells worker which of the load's GPU
+  is copied into `store_cpu_blocks[i]`. `load_req_num_blocks[j]` tells the worker how many of the load's GPU
   blocks belong to `load_event_reqs[j]` (a count, the blocks being listed request by request).
   Invariants: equal lengths per pair of lists; no GPU block appears twice in a step's loads; a store's GPU
   blocks hold KV that this step's forward has completed once it has run.
