@@ -1,0 +1,150 @@
+"""End to end: `vllm.LLM` on a tiny config-only LLaMA (dummy weights) with and without OffloadConnector.
+
+The GPU-side KV cache holds 10 blocks of 32 tokens, so a second long prompt evicts the first one's prefix;
+when the first prefix comes back it is loaded from our CPU tier. Greedy outputs must equal those of the
+same engine without the connector. One engine of each kind per module; prompts are token ids (there is no
+tokenizer). A final sensitivity check corrupts the host pool and shows the outputs then differ, so the
+equality above really depends on the loaded bytes.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.config import KVTransferConfig  # noqa: E402
+
+MODEL_DIR = str(Path(__file__).parent / "tiny_llama")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [100 + (seed * 37 + i * 11) % 800 for i in range(n)]
+
+
+X, Y, Z, W = tokens(1, 128), tokens(2, 192), tokens(3, 160), tokens(4, 192)
+# Each prompt is generated alone, in order: X's blocks are evicted by Y and come back for X + c, etc.
+SHARED = [X + tokens(11, 16), Y + tokens(12, 16), X + tokens(13, 16), Y + tokens(14, 16)]
+# Run after the host pool is corrupted: Z + f then loads garbage.
+SENSITIVITY = [Z + tokens(15, 16), W + tokens(16, 16)]
+CORRUPTED = Z + tokens(17, 16)
+
+
+def make_llm(kv_transfer_config: KVTransferConfig | None) -> LLM:
+    return LLM(model=MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, block_size=32,
+               enforce_eager=True, max_model_len=256, num_gpu_blocks_override=10, max_num_seqs=4,
+               max_num_batched_tokens=256, seed=0, dtype="float32", disable_log_stats=False,
+               kv_transfer_config=kv_transfer_config)
+
+
+def generate(llm: LLM, prompt: list[int]) -> list[int]:
+    out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
+def close(llm: LLM) -> None:
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+class StepRecorder:
+    """Wraps the in-process Scheduler's schedule(): per step, who was scheduled and whose load was issued."""
+
+    def __init__(self, scheduler) -> None:
+        self.steps: list[tuple[dict[str, int], list[str]]] = []
+        inner = scheduler.schedule
+
+        def schedule(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            meta = out.kv_connector_metadata
+            self.steps.append((dict(out.num_scheduled_tokens), list(meta.transfer.load_event_reqs)))
+            return out
+
+        scheduler.schedule = schedule
+
+    def admission_to_first_compute(self) -> list[int]:
+        """For each load, steps from the step issuing it to the step first computing that request."""
+        out = []
+        for i, (_, loads) in enumerate(self.steps):
+            for req_id in loads:
+                first = next(j for j in range(i + 1, len(self.steps)) if req_id in self.steps[j][0])
+                out.append(first - i)
+        return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    results: dict = {}
+    kv_transfer = KVTransferConfig(
+        kv_connector="OffloadConnector", kv_connector_module_path="offload_connector.vllm_connector",
+        kv_role="kv_both", kv_connector_extra_config={"cpu_bytes": "64MiB", "transfer": {"num_streams": 2}})
+    llm = make_llm(kv_transfer)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    recorder = StepRecorder(scheduler)
+    results["offload"] = [generate(llm, p) for p in SHARED]
+    connector = scheduler.connector
+    results["stats"] = connector.offload.stats.snapshot()
+    results["idle"] = connector.offload.is_idle() and connector.offload.cpu_pool.num_held_blocks() == 0
+    results["gpu_free"] = (scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+                           scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1)
+    results["steps_to_compute"] = recorder.admission_to_first_compute()
+    results["prom"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
+                       if m.name.startswith("vllm:offload_connector_")}
+    # Sensitivity: corrupt every stored block, then hit it.
+    results["offload_sens"] = [generate(llm, p) for p in SENSITIVITY]
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    loaded_before = connector.offload.stats.num_loaded_blocks
+    get_kv_transfer_group().worker.host_pool.buffer.fill_(0x47)  # float32 ~ 4.7e4 everywhere
+    results["offload_corrupted"] = generate(llm, CORRUPTED)
+    results["corrupted_loaded"] = connector.offload.stats.num_loaded_blocks - loaded_before
+    close(llm)
+
+    llm = make_llm(None)
+    results["plain"] = [generate(llm, p) for p in SHARED]
+    results["plain_sens"] = [generate(llm, p) for p in SENSITIVITY]
+    results["plain_corrupted"] = generate(llm, CORRUPTED)
+    close(llm)
+    return results
+
+
+def test_greedy_outputs_match_without_connector(runs: dict) -> None:
+    assert runs["offload"] == runs["plain"]
+    assert all(len(out) == GREEDY.max_tokens for out in runs["offload"])
+
+
+def test_blocks_were_stored_and_loaded(runs: dict) -> None:
+    stats = runs["stats"]
+    assert stats["num_stored_blocks"] > 0 and stats["bytes_stored"] > 0
+    assert stats["num_loaded_blocks"] > 0 and stats["bytes_loaded"] > 0
+    assert stats["num_hit_tokens"] == 32 * stats["num_loaded_blocks"]
+    assert stats["num_failed_load_blocks"] == 0 and stats["num_failed_store_blocks"] == 0
+    assert runs["prom"]["vllm:offload_connector_num_loaded_blocks"] == stats["num_loaded_blocks"]
+
+
+def test_one_step_resume_and_idle_engine_holds_nothing(runs: dict) -> None:
+    assert runs["steps_to_compute"] and all(n == 1 for n in runs["steps_to_compute"])
+    assert runs["idle"]
+    free, total = runs["gpu_free"]
+    assert free == total
+
+
+def test_outputs_depend_on_the_loaded_bytes(runs: dict) -> None:
+    assert runs["offload_sens"] == runs["plain_sens"]
+    assert runs["corrupted_loaded"] > 0
+    assert runs["offload_corrupted"] != runs["plain_corrupted"]
