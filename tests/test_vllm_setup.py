@@ -1,0 +1,165 @@
+"""Start-up of the vLLM adapter: config resolution, set-up checks, the GPU pool view, the plugin.
+
+The first group needs no vLLM (plain stand-ins for vLLM's config objects); the rest skip without it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from offload_connector.config import ConfigError
+from offload_connector.vllm_setup import UnsupportedSetupError, describe_kv_cache, resolve_config
+
+
+class FullAttentionSpec(SimpleNamespace):
+    """Stand-in named like vLLM's spec (the check goes by class name)."""
+
+
+class SlidingWindowSpec(SimpleNamespace):
+    pass
+
+
+def fake_configs(num_groups: int = 1, block_size: int = 32, prefix_caching: bool = True, pp: int = 1,
+                 tp: int = 2, hash_block_size: int | None = None, spec_cls: type = FullAttentionSpec):
+    spec = spec_cls(block_size=block_size, page_size_bytes=4096)
+    groups = [SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1", "l2"]) for _ in range(num_groups)]
+    kv_cache_config = SimpleNamespace(num_blocks=100, kv_cache_groups=groups, kv_cache_tensors=[],
+                                      hash_block_size=hash_block_size, kv_cache_layout="LBNHC")
+    vllm_config = SimpleNamespace(
+        cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching, block_size=32),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp, world_size=tp))
+    return vllm_config, kv_cache_config
+
+
+# ---------------------------------------------------------------- config from kv_connector_extra_config
+def test_inline_keys_win_over_the_config_file(tmp_path) -> None:
+    path = tmp_path / "offload.yaml"
+    path.write_text("cpu_bytes: 2GiB\nstore_policy: lazy\ntransfer:\n  num_streams: 4\n")
+    cfg = resolve_config({"config_file": str(path), "store_policy": "eager", "transfer": {"backend": "cpu"}})
+    assert cfg.cpu_bytes == 2 * 2**30
+    assert cfg.store_policy == "eager"
+    assert cfg.transfer.num_streams == 4 and cfg.transfer.backend == "cpu"
+
+
+def test_no_extra_config_is_the_embedded_default() -> None:
+    assert resolve_config(None).cpu_bytes == 8 * 2**30
+    assert resolve_config({}).store_policy == "eager"
+
+
+def test_bad_extra_config_names_the_key() -> None:
+    with pytest.raises(ConfigError, match="store_polcy"):
+        resolve_config({"store_polcy": "eager"})
+    with pytest.raises(ConfigError, match="config_file"):
+        resolve_config({"config_file": "/nonexistent/offload.yaml"})
+    with pytest.raises(ConfigError, match="cpu_bytes"):
+        resolve_config({"cpu_bytes": "lots"})
+
+
+# ---------------------------------------------------------------- KV-cache shape and refusals
+def test_shape_and_tp_split() -> None:
+    vllm_config, kv_cache_config = fake_configs(tp=2)
+    shape = describe_kv_cache(vllm_config, kv_cache_config)
+    assert (shape.block_size, shape.bytes_per_block, shape.num_layers) == (32, 3 * 4096, 3)
+    # cpu_bytes is for the whole engine: each of the 2 ranks gets half.
+    assert shape.num_cpu_blocks(resolve_config({"cpu_bytes": 2 * 3 * 4096 * 10})) == 10
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"num_groups": 2}, "one KV-cache group"),
+    ({"spec_cls": SlidingWindowSpec}, "full-attention"),
+    ({"block_size": 16}, "block size"),
+    ({"hash_block_size": 16}, "block size"),
+    ({"prefix_caching": False}, "enable_prefix_caching"),
+    ({"pp": 2}, "pipeline_parallel_size"),
+])
+def test_unsupported_setups_fail_at_start_up(kwargs: dict, match: str) -> None:
+    with pytest.raises(UnsupportedSetupError, match=match):
+        describe_kv_cache(*fake_configs(**kwargs))
+
+
+def test_importing_the_package_does_not_import_vllm() -> None:
+    code = ("import sys, offload_connector, offload_connector.config, offload_connector.vllm_setup, "
+            "offload_connector.vllm_gpu_pool, offload_connector.vllm_plugin, scheduler_side; "
+            "sys.exit(1 if 'vllm' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+# ---------------------------------------------------------------- with vLLM
+@pytest.mark.vllm
+def test_gpu_pool_view_on_vllm_block_pool() -> None:
+    pytest.importorskip("vllm")
+    from vllm.v1.core.block_pool import BlockPool
+
+    from offload_connector.vllm_gpu_pool import GpuPoolError, VllmGpuPool
+
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16)
+    view = VllmGpuPool(pool)
+    # 1. vLLM's free queue starts as 1..7 (0 is the null block); the view walks it from the head.
+    assert [i for i, _ in view.eviction_candidates()] == [1, 2, 3, 4, 5, 6, 7]
+    # 2. touch takes blocks out of the queue; free(front=True) puts them back at the head, in order.
+    view.touch([5, 6])
+    assert [i for i, _ in view.eviction_candidates()] == [1, 2, 3, 4, 7]
+    view.free([5, 6], front=True)
+    assert [i for i, _ in view.eviction_candidates()] == [5, 6, 1, 2, 3, 4, 7]
+    # 3. A block vLLM also holds stays out of the queue until both references are gone.
+    pool.touch([pool.blocks[2]])
+    view.touch([2])
+    view.free([2])
+    assert 2 not in [i for i, _ in view.eviction_candidates()]
+    pool.free_blocks([pool.blocks[2]])
+    assert view.num_free_blocks() == 7
+    # 4. Misuse is refused before anything changes.
+    with pytest.raises(GpuPoolError):
+        view.free([3])
+    with pytest.raises(GpuPoolError):
+        view.touch([0])
+
+
+@pytest.mark.vllm
+def test_block_hash_keys_match_vllm() -> None:
+    pytest.importorskip("vllm")
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    from offload_connector.hashing import with_group_id
+
+    h = bytes(range(32))
+    assert all(with_group_id(h, g) == make_block_hash_with_group_id(h, g) for g in (0, 1, 7, 2**20))
+
+
+@pytest.mark.vllm
+def test_plugin_registers_the_short_name() -> None:
+    pytest.importorskip("vllm")
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from offload_connector.vllm_plugin import register
+
+    register()
+    register()  # idempotent: vLLM may load plugins more than once
+    cls = KVConnectorFactory.get_connector_class(
+        KVTransferConfig(kv_connector="OffloadConnector", kv_role="kv_both"))
+    from offload_connector.vllm_connector import OffloadConnector
+
+    assert cls is OffloadConnector
+
+
+@pytest.mark.vllm
+def test_stats_aggregate_and_reduce() -> None:
+    pytest.importorskip("vllm")
+    from offload_connector.vllm_connector import OffloadConnector
+
+    a = OffloadConnector.build_kv_connector_stats(
+        {"counters": {"num_stored_blocks": 2, "bytes_stored": 4e9, "store_seconds": 1.0}, "gauges": {"cpu_pool_usage": 0.5}})
+    b = OffloadConnector.build_kv_connector_stats(
+        {"counters": {"num_stored_blocks": 3, "num_lookup_tokens": 10, "num_hit_tokens": 4},
+         "gauges": {"cpu_pool_usage": 0.25}})
+    summary = a.aggregate(b).reduce()
+    assert summary["num_stored_blocks"] == 5
+    assert summary["store_GBps"] == 4.0
+    assert summary["cpu_hit_rate"] == 0.4
+    assert summary["cpu_pool_usage"] == 0.25  # gauges: the newest snapshot wins
+    assert OffloadConnector.build_kv_connector_stats().is_empty()
