@@ -1,0 +1,217 @@
+"""Connector overhead in vLLM's real `Scheduler`: no connector vs vLLM's SimpleCPUOffloadConnector vs ours.
+
+The same request stream goes through the three variants (benchmarks/vllm_sim.py: each connector's
+worker completions are faked the way its real worker reports them, so both CPU caches fill and hit).
+Timed per step: `Scheduler.schedule()` + `update_from_output()`, i.e. the scheduler process's work,
+after `--warmup-steps` untimed steps. Headline: ours_vs_simple = (ours - none) / (simple - none), the
+connector overhead above no connector, ours divided by Simple's (goal <= 0.5).
+
+Workload (defaults): requests arrive at `--rate` per step; each prompt is one of `--prefixes` shared
+prefixes of `--prefix-blocks` blocks (Zipf-like popularity) + 1-4 unique blocks + a partial block, and
+decodes 16-64 tokens. The GPU pool (`--gpu-blocks`) is too small to keep every prefix cached, so
+prefixes are evicted from the GPU and come back from the CPU tier (`--cpu-blocks`, the same for both).
+
+Also measured (issue 6 §2): steps from admission (load issued) to first compute for a CPU-hit request,
+alone in an idle engine (`*_steps_to_first_compute`) and over the workload (mean / max).
+
+    python benchmarks/bench_scheduler.py [--json] [--repeats N] [--profile ours|simple|none]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import pstats
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path[:0] = [str(ROOT), str(ROOT.parent)]
+
+from vllm_sim import VARIANTS, SimShape, VllmSim  # noqa: E402
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    step: int
+    req_id: str
+    tokens: list[int]
+    max_tokens: int
+
+
+def make_workload(args: argparse.Namespace) -> list[Arrival]:
+    rng = random.Random(args.seed)
+    bs = args.block_size
+    prefixes = [[rng.randrange(3, 1024) for _ in range(args.prefix_blocks * bs)] for _ in range(args.prefixes)]
+    weights = [1 / (i + 1) ** 0.8 for i in range(args.prefixes)]
+    arrivals = []
+    for i in range(args.requests):
+        prefix = rng.choices(prefixes, weights)[0]
+        suffix = [rng.randrange(3, 1024) for _ in range(rng.randint(1, 4) * bs + rng.randrange(bs))]
+        arrivals.append(Arrival(int(i / args.rate), f"r{i}", prefix + suffix, rng.randint(16, 64)))
+    return arrivals
+
+
+def shape_of(args: argparse.Namespace) -> SimShape:
+    return SimShape(num_gpu_blocks=args.gpu_blocks, num_cpu_blocks=args.cpu_blocks, block_size=args.block_size,
+                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_model_len=2048)
+
+
+def run_variant(variant: str, arrivals: list[Arrival], args: argparse.Namespace,
+                profiler: cProfile.Profile | None = None) -> dict:
+    sim = VllmSim(variant, shape_of(args), store_delay=args.store_delay)
+    pending = iter(arrivals)
+    nxt = next(pending, None)
+    timed_steps = 0
+    gc.collect()
+    while nxt is not None or sim.busy:
+        while nxt is not None and nxt.step <= sim.step_no:
+            sim.add(nxt.req_id, nxt.tokens, nxt.max_tokens)
+            nxt = next(pending, None)
+        if sim.step_no == args.warmup_steps:
+            sim.timed_seconds = 0.0
+            if profiler is not None:
+                profiler.enable()
+        sim.step()
+        timed_steps += sim.step_no > args.warmup_steps
+    if profiler is not None:
+        profiler.disable()
+    return summarize(sim, arrivals, timed_steps)
+
+
+def summarize(sim: VllmSim, arrivals: list[Arrival], timed_steps: int) -> dict:
+    bad = [a.req_id for a in arrivals
+           if sim.finish_reasons.get(a.req_id) != "length" or sim.num_output_tokens.get(a.req_id) != a.max_tokens]
+    problems = sim.leaks() + ([f"{len(bad)} requests without exactly max_tokens outputs (e.g. {bad[:3]})"]
+                              if bad else [])
+    t = sim.worker.transfers
+    waits = sim.load_waits
+    return {
+        "us_per_step": round(sim.timed_seconds / max(1, timed_steps) * 1e6, 1),
+        "steps": sim.step_no,
+        "timed_steps": timed_steps,
+        "scheduled_tokens": sim.num_scheduled_tokens,
+        "gpu_hit_tokens": sim.gpu_hit_tokens,
+        "cpu_hit_tokens": sim.connector_hit_tokens,
+        "stored_blocks": t.stored_blocks,
+        "loaded_blocks": t.loaded_blocks,
+        "load_requests": t.num_load_requests,
+        "preemptions": sim.num_preempted,
+        "steps_to_first_compute_mean": round(sum(waits) / len(waits), 2) if waits else None,
+        "steps_to_first_compute_max": max(waits) if waits else None,
+        "problems": problems,
+    }
+
+
+def steps_to_first_compute(variant: str) -> int:
+    """A alone, then C evicts A's blocks from the GPU, then B (A's 3-block prefix) hits the CPU tier."""
+    sim = VllmSim(variant, SimShape(num_gpu_blocks=6, num_cpu_blocks=32, max_num_seqs=4,
+                                    max_num_batched_tokens=64, max_model_len=1024))
+
+    def toks(seed: int, n: int) -> list[int]:
+        return [100 + (seed * 37 + i * 11) % 800 for i in range(n)]
+
+    prefix = toks(1, 48)
+    for req_id, tokens in (("A", prefix + toks(2, 16)), ("C", toks(3, 64)), ("B", prefix + toks(4, 16))):
+        sim.add(req_id, tokens, 1)
+        sim.drain()
+    if sim.connector_hit_tokens != 48 or len(sim.load_waits) != 1:
+        raise RuntimeError(f"{variant}: B got no 48-token CPU hit (hit tokens {sim.connector_hit_tokens})")
+    return sim.load_waits[0]
+
+
+def hotspots(profiler: cProfile.Profile, top: int) -> str:
+    buf = io.StringIO()
+    stats = pstats.Stats(profiler, stream=buf)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(r"offload_connector|scheduler_side|simple_kv_offload", top)
+    return buf.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=5000)
+    p.add_argument("--rate", type=float, default=2.5, help="arrivals per step")
+    p.add_argument("--prefixes", type=int, default=64)
+    p.add_argument("--prefix-blocks", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-blocks", type=int, default=1200)
+    p.add_argument("--cpu-blocks", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--store-delay", type=int, default=1, help="steps until a store is reported (both)")
+    p.add_argument("--warmup-steps", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=1, help="runs per variant (interleaved); min us/step kept")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", choices=VARIANTS, help="cProfile the timed steps of this variant (extra run)")
+    p.add_argument("--profile-top", type=int, default=25)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    arrivals = make_workload(args)
+    started = time.perf_counter()
+    results: dict[str, dict] = {}
+    for _ in range(args.repeats):
+        for variant in VARIANTS:
+            r = run_variant(variant, arrivals, args)
+            if variant not in results or r["us_per_step"] < results[variant]["us_per_step"]:
+                results[variant] = r
+    none, simple, ours = (results[v]["us_per_step"] for v in ("none", "simple", "ours"))
+    out = {
+        "ours_us_per_step": ours,
+        "simple_us_per_step": simple,
+        "none_us_per_step": none,
+        "ours_overhead_us": round(ours - none, 1),
+        "simple_overhead_us": round(simple - none, 1),
+        "ours_vs_simple": round((ours - none) / (simple - none), 3) if simple != none else None,
+        "ours_steps_to_first_compute": steps_to_first_compute("ours"),
+        "simple_steps_to_first_compute": steps_to_first_compute("simple"),
+        "variants": results,
+        "workload": {k: v for k, v in vars(args).items() if k not in ("json", "profile", "profile_top")},
+        "wall_seconds": round(time.perf_counter() - started, 1),
+    }
+    profile_text = None
+    if args.profile:
+        profiler = cProfile.Profile()
+        run_variant(args.profile, arrivals, args, profiler)
+        profile_text = hotspots(profiler, args.profile_top)
+    ok = not any(r["problems"] for r in results.values())
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print_readable(out)
+    if profile_text:
+        print(profile_text, file=sys.stderr if args.json else sys.stdout)
+    return 0 if ok else 1
+
+
+def print_readable(out: dict) -> None:
+    w = out["workload"]
+    print(f"vLLM Scheduler, {w['requests']} requests at {w['rate']}/step, {w['prefixes']} shared prefixes of "
+          f"{w['prefix_blocks']} blocks, GPU {w['gpu_blocks']} blocks, CPU {w['cpu_blocks']} blocks "
+          f"(block size {w['block_size']}), max_num_seqs {w['max_num_seqs']}, warm-up {w['warmup_steps']} steps")
+    cols = {"us_per_step": "us/step", "steps": "steps", "scheduled_tokens": "sched tok",
+            "gpu_hit_tokens": "GPU-hit tok", "cpu_hit_tokens": "CPU-hit tok", "stored_blocks": "stored blk",
+            "loaded_blocks": "loaded blk", "preemptions": "preempt", "steps_to_first_compute_mean": "1st-compute",
+            "steps_to_first_compute_max": "(max)"}
+    print(f"{'':8}" + "".join(f"{h:>12}" for h in cols.values()))
+    for variant, r in out["variants"].items():
+        print(f"{variant:8}" + "".join(f"{'-' if r[c] is None else r[c]:>12}" for c in cols))
+        for problem in r["problems"]:
+            print(f"  PROBLEM ({variant}): {problem}")
+    print(f"connector overhead per step: ours {out['ours_overhead_us']} us, Simple {out['simple_overhead_us']} us"
+          f" -> ours_vs_simple = {out['ours_vs_simple']} (goal <= 0.5)")
+    print(f"steps from admission to first compute (CPU hit, idle engine): ours "
+          f"{out['ours_steps_to_first_compute']}, Simple {out['simple_steps_to_first_compute']}")
+    print(f"wall time {out['wall_seconds']} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
