@@ -4,8 +4,8 @@
   P = 2^31 - 1 (sum of (t_j + 1) * R^j), computed with one cumulative sum, so it is vectorized and extends by
   one token in O(1) (`extend_seed`).
 - `kv_values(seeds, positions, shape)`: mixes each seed with its position and with the index of each value
-  in (layer, K/V, head, dim), then maps it to a multiple of 1/8 in [-15.625, 15.625]: exact in float32,
-  float16 and bfloat16, so equality checks are exact after any copy.
+  in (layer, K/V, head, dim), then maps 8 of its bits to a multiple of 1/8 in [-16, 15.875]: exact in
+  float32, float16 and bfloat16, so equality checks are exact after any copy.
 - `next_token(seed, position)`: the token a request generates after that prefix (outputs are therefore
   identical with and without the connector).
 All arithmetic stays below 2^63 in int64. Imports torch only.
@@ -59,9 +59,10 @@ def kv_values(seeds: torch.Tensor, positions: torch.Tensor, shape: tuple[int, in
     num_layers, two, heads, dim = shape
     mult, add = _value_keys(num_layers * two * heads * dim)
     mixed = (seeds * 31 + positions * 1_000_033 + 7) % P
-    v = (mixed.unsqueeze(1) * mult.unsqueeze(0) + add.unsqueeze(0)) % P
-    v = ((v % 251) - 125).to(torch.float32) / 8.0
-    return v.view(-1, num_layers, two, heads, dim).permute(1, 2, 0, 3, 4).to(dtype)
+    v = torch.addcmul(add.unsqueeze(0), mixed.unsqueeze(1), mult.unsqueeze(0))  # < 2^63
+    v.bitwise_right_shift_(23).bitwise_and_(255).sub_(128)
+    v = v.to(dtype).mul_(0.125)
+    return v.view(-1, num_layers, two, heads, dim).permute(1, 2, 0, 3, 4)
 
 
 def next_token(seed: int, position: int) -> int:

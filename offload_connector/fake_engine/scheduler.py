@@ -208,9 +208,6 @@ class EngineScheduler:
         if req.is_first_admission:
             req.num_cpu_hit_tokens = num_loaded
         self.gpu.cache_blocks(req, req.num_computed_tokens)
-        waited = self.step_index - req.load_issue_step
-        self.stats.load_wait_steps += waited
-        self.stats.max_load_wait_steps = max(self.stats.max_load_wait_steps, waited)
         self._clear_load(req)
         req.status = RequestStatus.WAITING
 
@@ -257,5 +254,8 @@ class EngineScheduler:
                 req.failed_load_gpu_blocks.add(gpu_block_id)
         for req_id in report.finished_load_reqs:
             req = self.requests.get(req_id)
-            if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if req is not None and req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and not req.load_done:
                 req.load_done = True
+                waited = self.step_index - req.load_issue_step + 1  # the issuing step included
+                self.stats.load_wait_steps += waited
+                self.stats.max_load_wait_steps = max(self.stats.max_load_wait_steps, waited)

@@ -35,7 +35,7 @@ class EngineStats:
     recomputed_tokens: int = 0  # computed again after a preemption or a failed load
     num_preemptions: int = 0
     num_loads: int = 0
-    load_wait_steps: int = 0  # summed over loads: steps from issue until the request could run
+    load_wait_steps: int = 0  # summed over loads: steps from issue to completion (issuing step included)
     max_load_wait_steps: int = 0
     failed_load_blocks: int = 0
     bytes_stored: int = 0

@@ -1,0 +1,155 @@
+"""Replaying a Mooncake trace through the fake engine with the connector: the `replay` job's logic.
+
+`replay_config(...)` builds the `OffloadConfig` (YAML or embedded default, then command-line overrides, all
+validated by `load_config`). `run_replay(...)` feeds the trace's requests in order, keeping at most
+`2 * max_num_seqs` of them queued (a request is built only when it is about to be admitted, so memory stays
+bounded on full-size traces), steps the engine until everything finished, drains the transfers and checks
+for leaks. An `IntegrityError` stops the replay; the result then carries `integrity_errors > 0` and the
+message. Trace timestamps only give the order.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from offload_connector.config import (
+    ConfigError,
+    OffloadConfig,
+    default_config_dict,
+    load_config,
+    merge_configs,
+)
+from offload_connector.fake_engine import FakeEngine, IntegrityError
+from offload_connector.fake_engine.stats import EngineStats
+from offload_connector.trace import TraceRequest, output_length, prompt_tokens
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    stats: EngineStats
+    wall_seconds: float
+    trace: str
+    scaled: bool
+    config: OffloadConfig
+    num_cpu_blocks: int
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        eng = self.config.engine
+        out: dict[str, Any] = dict(self.stats.to_dict())
+        out.update(
+            wall_seconds=round(self.wall_seconds, 3),
+            trace=self.trace,
+            scaled=self.scaled,
+            store_policy=self.config.store_policy,
+            gpu_blocks=eng.num_gpu_blocks,
+            cpu_blocks=self.num_cpu_blocks,
+            block_size=eng.block_size,
+            error=self.error,
+        )
+        out.update(self.extra)
+        return out
+
+
+def replay_config(config: str | Path | Mapping[str, Any] | None = None, *, gpu_blocks: int | None = None,
+                  cpu_blocks: int | None = None, store_policy: str | None = None) -> OffloadConfig:
+    """The replay's config: the file (or mapping, or the embedded default) with the overrides applied."""
+    if config is None:
+        data: dict[str, Any] = default_config_dict()
+    elif isinstance(config, Mapping):
+        data = dict(config)
+    else:
+        data = _read_yaml(config)
+    override: dict[str, Any] = {}
+    if gpu_blocks is not None:
+        override["engine"] = {"num_gpu_blocks": gpu_blocks}
+    if cpu_blocks is not None:
+        override["num_cpu_blocks"] = cpu_blocks
+    if store_policy is not None:
+        override["store_policy"] = store_policy
+    return load_config(merge_configs(data, override))
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("config_file", str(path), "a path to an existing YAML file")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError("config_file", str(path), "a valid YAML mapping", str(exc)) from exc
+    if not isinstance(data, dict):
+        raise ConfigError("<root>", data, "a mapping of config keys")
+    return data
+
+
+ProgressFn = Callable[[int, int, EngineStats], None]
+
+
+def run_replay(config: OffloadConfig, requests: list[TraceRequest], *, scaled: bool, trace_name: str = "",
+               progress: ProgressFn | None = None) -> ReplayResult:
+    """Replay `requests` in order through a FakeEngine with the connector; never raises IntegrityError."""
+    eng = config.engine
+    start = time.perf_counter()
+    error = None
+    with FakeEngine(config) as engine:
+        max_queued = 2 * eng.max_num_seqs
+        next_index = 0
+        total = len(requests)
+        try:
+            while next_index < total or engine.has_unfinished():
+                while next_index < total and len(engine.scheduler.waiting) < max_queued:
+                    req = requests[next_index]
+                    engine.add_request(f"req-{next_index}", prompt_tokens(req, eng.block_size, scaled),
+                                       output_length(req, eng.block_size, scaled))
+                    next_index += 1
+                engine.step()
+                if progress is not None:
+                    done = engine.stats.finished_requests + engine.stats.aborted_requests
+                    progress(done + engine.stats.rejected_requests, total, engine.stats)
+            engine.check()
+        except IntegrityError as exc:
+            error = str(exc)
+        num_cpu_blocks = engine.worker.num_cpu_blocks if engine.worker is not None else 0
+        stats = engine.stats
+    return ReplayResult(stats, time.perf_counter() - start, trace_name, scaled, config, num_cpu_blocks, error)
+
+
+class ProgressBar:
+    """A progress line on stderr for long runs: redrawn in place on a terminal, a line every 10 s otherwise."""
+
+    def __init__(self, stream: Any = None, delay: float = 1.0) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.start = time.perf_counter()
+        self.delay = delay
+        self.last = 0.0
+        self.drawn = False
+
+    def __call__(self, done: int, total: int, stats: EngineStats) -> None:
+        now = time.perf_counter()
+        interval = 0.2 if self.tty else 10.0
+        if now - self.start < self.delay or (now - self.last < interval and done < total):
+            return
+        self.last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
+        hits = stats.ratio(stats.gpu_hit_tokens + stats.cpu_hit_tokens)
+        line = (f"replay [{bar}] {done}/{total} requests  step {stats.steps}  hit {hits:.1%}  "
+                f"{now - self.start:.0f}s")
+        self.stream.write(("\r" + line) if self.tty else (line + "\n"))
+        self.stream.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.drawn and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
