@@ -51,7 +51,8 @@ class Sim:
     """vLLM's Scheduler + our connector; `step()` plays the model runner and our worker role."""
 
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int = 32, max_num_batched_tokens: int = 64,
-                 max_num_seqs: int = 4, kv_events: bool = False, **extra: object) -> None:
+                 max_num_seqs: int = 4, kv_events: bool = False, failure_policy: str = "fail",
+                 **extra: object) -> None:
         model_config = ModelConfig(model=MODEL_DIR, skip_tokenizer_init=True, dtype="float32", seed=0)
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=1024,
@@ -60,7 +61,8 @@ class Sim:
         cache_config.kv_cache_layout = "LBNHC"
         kv_transfer = KVTransferConfig(
             kv_connector="OffloadConnector", kv_connector_module_path="offload_connector.vllm_connector",
-            kv_role="kv_both", kv_connector_extra_config={"num_cpu_blocks": num_cpu_blocks, **extra})
+            kv_role="kv_both", kv_connector_extra_config={"num_cpu_blocks": num_cpu_blocks, **extra},
+            kv_load_failure_policy=failure_policy)
         vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
                                  cache_config=cache_config, kv_transfer_config=kv_transfer,
                                  device_config=DeviceConfig("cpu"),
@@ -71,6 +73,7 @@ class Sim:
             kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
                 block_size=BS, num_kv_heads=1, head_size=4, dtype=torch.float32))])
         vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
+        self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
         self.sched = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
                                structured_output_manager=StructuredOutputManager(vllm_config), block_size=BS)
         self.connector: OffloadConnector = self.sched.connector  # type: ignore[assignment]
@@ -105,12 +108,7 @@ class Sim:
         self.preempted |= set(out.preempted_req_ids or ())
         self.scheduled.append(dict(out.num_scheduled_tokens))
         self.loads.append(list(meta.load_event_reqs))
-        # Our worker role: loads issued in start_load_kv finish within the step; stores after the forward.
-        self._held |= set(meta.load_event_reqs)
-        finished_recving: set[str] = set()
-        if not self.hold_loads:
-            finished_recving, self._held = self._held, set()
-        report = WorkerReport(completed_store_events=[] if meta.store_event is None else [meta.store_event])
+        kv_output = self.run_workers(out)
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for req_id in req_ids:
@@ -118,14 +116,24 @@ class Sim:
             sampled.append([TOKEN] if req.num_computed_tokens >= req.num_tokens else [])
         runner_out = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(
-                finished_recving=finished_recving or None,
-                kv_connector_worker_meta=OffloadWorkerMetadata(reports=[encode(report)])))
+            kv_connector_output=kv_output)
         for eco in self.sched.update_from_output(out, runner_out).values():
             data = eco.scheduler_stats.kv_connector_stats if eco.scheduler_stats else None
             if data:
                 self.stats.aggregate(OffloadConnector.build_kv_connector_stats(data))
         return dict(out.num_scheduled_tokens)
+
+    def run_workers(self, out) -> KVConnectorOutput:
+        """Our worker role, faked: loads issued in start_load_kv finish within the step (unless held);
+        stores issued after the forward complete too."""
+        meta = out.kv_connector_metadata.transfer
+        self._held |= set(meta.load_event_reqs)
+        finished_recving: set[str] = set()
+        if not self.hold_loads:
+            finished_recving, self._held = self._held, set()
+        report = WorkerReport(completed_store_events=[] if meta.store_event is None else [meta.store_event])
+        return KVConnectorOutput(finished_recving=finished_recving or None,
+                                 kv_connector_worker_meta=OffloadWorkerMetadata(reports=[encode(report)]))
 
     def run_until_idle(self, max_steps: int = 200) -> None:
         for _ in range(max_steps):
