@@ -6,11 +6,11 @@ Per step, `schedule()`:
    prefill, then one token per decode step); when the GPU pool is short, the last running request is
    preempted (blocks freed, `request_preempted`, back to the front of the waiting queue, KV recomputed);
 2. then, unless something was preempted, waiting requests in FCFS order while budget and `max_num_seqs`
-   allow: a request with no computed tokens does a GPU prefix-cache lookup, then
+   allow: a request holding no blocks (new or preempted) does a GPU prefix-cache lookup, then
    `get_num_new_matched_tokens` (None: skip it this step); blocks are allocated, then
    `update_state_after_alloc`; an async CPU load parks it in WAITING_FOR_REMOTE_KVS (not computed this step);
    a request whose load finished resumes with its loaded blocks cached (vLLM's delayed caching) and its
-   `num_computed_tokens` cut before the first failed block, if any.
+   `num_computed_tokens` cut before the first failed block, if any (no new lookup: the rest is recomputed).
 `update_from_output` applies the forward (advance, cache full blocks, append sampled tokens, finish) and
 `update_from_connector` the worker's report. Finishing or aborting calls `request_finished` *before* the
 engine frees the blocks. Per-step cost is O(scheduled requests + their new blocks + parked loads).
@@ -148,11 +148,12 @@ class EngineScheduler:
                     skipped.append(self.waiting.popleft())
                     continue
                 self._finish_load(req)
+            fresh = not req.gpu_block_ids  # new or preempted: look up; else resuming after a load
             hit_blocks = []
             num_external = 0
             load_async = False
             num_computed = req.num_computed_tokens
-            if num_computed == 0:
+            if fresh:
                 hit_blocks = self.gpu.find_hit(req)
                 num_computed = len(hit_blocks) * self.block_size
                 if self.connector is not None:
@@ -169,7 +170,7 @@ class EngineScheduler:
             self.waiting.popleft()
             if self.connector is not None:
                 self.connector.update_state_after_alloc(req, list(req.gpu_block_ids), num_external)
-            if req.is_first_admission and req.num_computed_tokens == 0:
+            if req.is_first_admission and fresh:
                 req.num_gpu_hit_tokens = num_computed
             req.num_computed_tokens = num_computed
             if load_async:
