@@ -8,7 +8,8 @@ Enable with (SPEC §6):
 One instance per role. The scheduler role owns an `OffloadScheduler` (CPU pool, per-request state) and
 borrows vLLM's GPU `BlockPool` through `VllmGpuPool`; the worker role owns an `OffloadWorker` (host pool,
 copies). They talk only through `OffloadConnectorMetadata` (scheduler -> workers, each step) and
-`OffloadWorkerMetadata` (each rank's encoded `WorkerReport`, workers -> scheduler, aggregated by vLLM).
+`OffloadWorkerMetadata` (each rank's encoded `WorkerReport`, workers -> scheduler, aggregated by vLLM),
+both in `vllm_messages.py`.
 
 Per-step order in vLLM 0.32 and what each hook does here:
   scheduler: get_num_new_matched_tokens -> update_state_after_alloc -> build_connector_meta
@@ -29,22 +30,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorWorkerMetadata,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload_connector.metadata import TransferMetadata, WorkerReport, decode_report, encode
 from offload_connector.vllm_gpu_pool import VllmGpuPool
+from offload_connector.vllm_messages import (
+    OffloadConnectorMetadata,
+    OffloadWorkerMetadata,
+    merge_reports,
+    to_vllm_events,
+)
 from offload_connector.vllm_setup import (
     KVCacheShape,
     UnsupportedSetupError,
@@ -64,25 +69,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class OffloadConnectorMetadata(KVConnectorMetadata):
-    """Scheduler -> workers, once per step: the step's one load event and one store event."""
-
-    transfer: TransferMetadata = field(default_factory=TransferMetadata)
-
-
-@dataclass
-class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
-    """Workers -> scheduler: one msgpack-encoded `WorkerReport` per rank (vLLM concatenates them)."""
-
-    reports: list[bytes] = field(default_factory=list)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if not isinstance(other, OffloadWorkerMetadata):
-            raise TypeError(f"cannot aggregate OffloadWorkerMetadata with {type(other).__name__}")
-        return OffloadWorkerMetadata(reports=self.reports + other.reports)
 
 
 class OffloadConnector(KVConnectorBase_V1):
@@ -181,16 +167,7 @@ class OffloadConnector(KVConnectorBase_V1):
         events = self.offload.take_events()
         if not self._emit_kv_events or not events:
             return ()
-        out: list[KVCacheEvent] = []
-        for event in events:
-            block_hash, group_id = event.block_hash[:-4], int.from_bytes(event.block_hash[-4:], "big")
-            if event.kind == "stored":
-                out.append(BlockStored(block_hashes=[block_hash], parent_block_hash=None, token_ids=[],
-                                       block_size=self.shape.block_size, lora_id=None, medium=MEDIUM_CPU,
-                                       lora_name=None, group_idx=group_id))
-            else:
-                out.append(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_CPU, group_idx=group_id))
-        return out
+        return to_vllm_events(events, self.shape.block_size)
 
     def get_kv_connector_stats(self) -> OffloadConnectorStats | None:
         sched = getattr(self, "offload", None)
@@ -272,7 +249,7 @@ class OffloadConnector(KVConnectorBase_V1):
         if self._report is None:
             self._report = report
         else:  # get_finished called twice before build_connector_worker_meta: keep both
-            self._report = _merge_reports(self._report, report)
+            self._report = merge_reports(self._report, report)
         self._failed_load_gpu_blocks.update(report.failed_load_gpu_blocks)
         return None, (set(report.finished_load_reqs) or None)
 
@@ -296,17 +273,6 @@ class OffloadConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
-
-
-def _merge_reports(a: WorkerReport, b: WorkerReport) -> WorkerReport:
-    return WorkerReport(
-        finished_load_reqs=a.finished_load_reqs + b.finished_load_reqs,
-        completed_store_events=a.completed_store_events + b.completed_store_events,
-        failed_store_events=a.failed_store_events + b.failed_store_events,
-        failed_load_gpu_blocks=a.failed_load_gpu_blocks + b.failed_load_gpu_blocks,
-        bytes_stored=a.bytes_stored + b.bytes_stored, bytes_loaded=a.bytes_loaded + b.bytes_loaded,
-        store_seconds=a.store_seconds + b.store_seconds, load_seconds=a.load_seconds + b.load_seconds,
-    )
 
 
 def _tp_rank(vllm_config: Any) -> int:

@@ -29,7 +29,11 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
 )
 from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    get_request_block_hasher,
+    init_none_hash,
+    maybe_convert_block_hash,
+)
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
@@ -246,7 +250,7 @@ def test_cpu_pool_full_skips_stores_without_failing() -> None:
 def test_stats_and_kv_events_reach_vllm() -> None:
     sim = Sim(num_gpu_blocks=6, kv_events=True)
     prefix = tokens(15, 48)
-    sim.add("A", prefix + tokens(16, 16))
+    a = sim.add("A", prefix + tokens(16, 16))
     sim.run_until_idle()
     sim.add("C", tokens(17, 64))
     sim.run_until_idle()
@@ -264,6 +268,8 @@ def test_stats_and_kv_events_reach_vllm() -> None:
     stored = [e for e in sim.kv_events if type(e).__name__ == "BlockStored"]
     assert len(stored) == counters.num_stored_blocks
     assert all(e.medium == "CPU" and e.block_size == BS for e in stored)
+    # Same hash form as vLLM's own GPU events, so a router can match the tiers.
+    assert {maybe_convert_block_hash(h) for h in a.block_hashes} <= {e.block_hashes[0] for e in stored}
     sim.assert_no_leaks()
 
 

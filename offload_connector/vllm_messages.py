@@ -1,0 +1,67 @@
+"""What the vLLM adapter's two roles exchange through vLLM, and what it hands to vLLM's event stream.
+
+- `OffloadConnectorMetadata`: scheduler -> workers once per step; wraps our flat `TransferMetadata`.
+- `OffloadWorkerMetadata`: workers -> scheduler once per step; one msgpack-encoded `WorkerReport` per
+  rank. vLLM's output aggregator concatenates ranks with `aggregate`, so the scheduler sees every rank's
+  report and can count a store event complete only when all `world_size` ranks reported it.
+- `to_vllm_events`: our CPU-tier changes as vLLM `BlockStored` / `BlockRemoved` events, medium "CPU".
+Everything here is plain data (picklable, msgpack-able) so it crosses vLLM's process boundaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+from offload_connector.metadata import TransferMetadata, WorkerReport
+from scheduler_side import KVEvent
+
+
+@dataclass
+class OffloadConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> workers, once per step: the step's one load event and one store event."""
+
+    transfer: TransferMetadata = field(default_factory=TransferMetadata)
+
+
+@dataclass
+class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
+    """Workers -> scheduler: one msgpack-encoded `WorkerReport` per rank (vLLM concatenates them)."""
+
+    reports: list[bytes] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, OffloadWorkerMetadata):
+            raise TypeError(f"cannot aggregate OffloadWorkerMetadata with {type(other).__name__}")
+        return OffloadWorkerMetadata(reports=self.reports + other.reports)
+
+
+def merge_reports(a: WorkerReport, b: WorkerReport) -> WorkerReport:
+    return WorkerReport(
+        finished_load_reqs=a.finished_load_reqs + b.finished_load_reqs,
+        completed_store_events=a.completed_store_events + b.completed_store_events,
+        failed_store_events=a.failed_store_events + b.failed_store_events,
+        failed_load_gpu_blocks=a.failed_load_gpu_blocks + b.failed_load_gpu_blocks,
+        bytes_stored=a.bytes_stored + b.bytes_stored, bytes_loaded=a.bytes_loaded + b.bytes_loaded,
+        store_seconds=a.store_seconds + b.store_seconds, load_seconds=a.load_seconds + b.load_seconds,
+    )
+
+
+def to_vllm_events(events: Iterable[KVEvent], block_size: int) -> list[KVCacheEvent]:
+    """Our cache keys are block hash + 4-byte group id; vLLM's events carry them split, the hash in the
+    same external form as vLLM's own GPU events (an int unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)."""
+    out: list[KVCacheEvent] = []
+    for event in events:
+        block_hash = maybe_convert_block_hash(BlockHash(event.block_hash[:-4]))
+        group_id = int.from_bytes(event.block_hash[-4:], "big")
+        if event.kind == "stored":
+            out.append(BlockStored(block_hashes=[block_hash], parent_block_hash=None, token_ids=[],
+                                   block_size=block_size, lora_id=None, medium=MEDIUM_CPU, lora_name=None,
+                                   group_idx=group_id))
+        else:
+            out.append(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_CPU, group_idx=group_id))
+    return out
