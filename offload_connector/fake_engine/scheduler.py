@@ -11,6 +11,9 @@ Per step, `schedule()`:
    `update_state_after_alloc`; an async CPU load parks it in WAITING_FOR_REMOTE_KVS (not computed this step);
    a request whose load finished resumes with its loaded blocks cached (vLLM's delayed caching) and its
    `num_computed_tokens` cut before the first failed block, if any (no new lookup: the rest is recomputed).
+   When a request without blocks cannot be allocated, only requests already holding blocks (finished loads)
+   are admitted behind it, and when nothing runs at all the last of those gives its blocks up: two
+   deviations from vLLM that keep tiny pools from deadlocking on parked requests.
 `update_from_output` applies the forward (advance, cache full blocks, append sampled tokens, finish) and
 `update_from_connector` the worker's report. Finishing or aborting calls `request_finished` *before* the
 engine frees the blocks. Per-step cost is O(scheduled requests + their new blocks + parked loads).
@@ -102,14 +105,23 @@ class EngineScheduler:
         req.load_done = False
         req.failed_load_gpu_blocks = set()
 
-    def _preempt(self, req: EngineRequest) -> None:
+    def _preempt(self, req: EngineRequest, requeue: bool = True) -> None:
         self.gpu.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         if self.connector is not None:
             self.connector.request_preempted(req.request_id)
-        self.waiting.appendleft(req)
+        if requeue:
+            self.waiting.appendleft(req)
         self.stats.num_preemptions += 1
+
+    def _break_deadlock(self) -> None:
+        """Nothing runs and nothing could be admitted: free the blocks of the last waiting request that
+        holds some with its load done (it recomputes), so the queue can move. vLLM would wait forever here."""
+        for req in reversed(self.waiting):
+            if req.gpu_block_ids and req.status is RequestStatus.WAITING:
+                self._preempt(req, requeue=False)
+                return
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> SchedulerOutput:
@@ -137,12 +149,18 @@ class EngineScheduler:
             i += 1
         if not preempted:
             self._schedule_waiting(out, budget)
+        if not out.chunks and not self.running and self.waiting:
+            self._break_deadlock()
         return out
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[EngineRequest] = []
+        blocked = False  # a request without blocks could not be allocated: admit only block holders now
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if blocked and not req.gpu_block_ids:
+                skipped.append(self.waiting.popleft())
+                continue
             if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
                 if not req.load_done:
                     skipped.append(self.waiting.popleft())
@@ -166,7 +184,14 @@ class EngineScheduler:
                     raise RuntimeError("the fake engine only supports async loads from the connector")
             num_new = 0 if load_async else min(req.num_tokens - num_computed - num_external, budget)
             if self.gpu.allocate(req, num_computed + num_external + num_new, hit_blocks) is None:
-                break  # no preemption for waiting requests (vLLM); the pending hit is dropped at next lookup
+                # No preemption for waiting requests (vLLM); the pending hit is dropped at the next lookup.
+                # Requests behind it that already hold blocks (loaded) may still run, or they could
+                # deadlock the queue: they hold what the head waits for.
+                if fresh and any(r.gpu_block_ids for r in self.waiting):
+                    blocked = True
+                    skipped.append(self.waiting.popleft())
+                    continue
+                break
             self.waiting.popleft()
             if self.connector is not None:
                 self.connector.update_state_after_alloc(req, list(req.gpu_block_ids), num_external)
