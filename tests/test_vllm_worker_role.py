@@ -112,3 +112,29 @@ def test_failed_load_is_reported_and_retried() -> None:
     # 5. Nothing read stale KV; nothing leaks.
     assert sim.integrity_errors == []
     sim.assert_no_leaks()
+
+
+@pytest.mark.parametrize(("tensor", "match"), [
+    (torch.zeros(7, 1, BS, 8), "not a multiple of num_gpu_blocks"),  # block count differs from vLLM's
+    (torch.zeros(6, 1, BS, 8)[:, :, ::2], "not dense"),  # a layout whose blocks we cannot copy exactly
+])
+def test_unsupported_kv_tensors_fail_at_registration(tensor: torch.Tensor, match: str) -> None:
+    from worker_side import LayoutError
+
+    sim = Sim(num_gpu_blocks=6)
+    conn = OffloadConnector(sim.vllm_config, KVConnectorRole.WORKER, sim.kv_cache_config)
+    with pytest.raises(LayoutError, match=match):
+        conn.register_kv_caches({"layer": tensor})
+    conn.shutdown()
+
+
+def test_worker_and_scheduler_must_agree_on_the_cpu_block_count() -> None:
+    from offload_connector.vllm_setup import UnsupportedSetupError
+
+    sim = Sim(num_gpu_blocks=6, num_cpu_blocks=None, cpu_bytes=64 * 512)  # sized from bytes, not pinned
+    conn = OffloadConnector(sim.vllm_config, KVConnectorRole.WORKER, sim.kv_cache_config)
+    assert conn.num_cpu_blocks == 64
+    # 256-byte blocks would buy 128 CPU blocks on this rank, but the scheduler counts 64: refused.
+    with pytest.raises(UnsupportedSetupError, match="must agree"):
+        conn.register_kv_caches({"layer": torch.zeros(6, 1, BS, 4)})
+    conn.shutdown()
