@@ -1,0 +1,98 @@
+"""`offload-connector replay`: the CLI, its JSON report, overrides, errors and the plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from offload_connector.cli import main
+from offload_connector.replay import replay_config, run_replay
+from offload_connector.trace import bundled_trace_path, read_trace
+
+REQUIRED = ("requests", "prompt_tokens", "gpu_hit_tokens", "cpu_hit_tokens", "computed_prompt_tokens",
+            "bytes_stored", "bytes_loaded", "integrity_errors", "leaked_blocks", "steps")
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    code = main(["replay", "--json", "--quiet", *args])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0, out
+    return out
+
+
+@pytest.mark.parametrize("policy", ["eager", "lazy"])
+def test_scaled_replay_json_has_the_contract_keys_and_cpu_hits(capsys: pytest.CaptureFixture[str],
+                                                               policy: str) -> None:
+    out = run_json(capsys, "--scaled", "--limit", "600", "--gpu-blocks", "300", "--cpu-blocks", "600",
+                   "--store-policy", policy)
+    for key in REQUIRED:
+        assert key in out
+    assert out["requests"] == 600 and out["store_policy"] == policy
+    assert out["gpu_blocks"] == 300 and out["cpu_blocks"] == 600
+    assert out["integrity_errors"] == 0 and out["leaked_blocks"] == 0
+    assert out["cpu_hit_tokens"] > 0 and out["bytes_loaded"] > 0
+    assert out["prompt_tokens"] == out["gpu_hit_tokens"] + out["cpu_hit_tokens"] + out["computed_prompt_tokens"]
+
+
+def test_unscaled_replay_of_a_few_requests(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, "--limit", "3")
+    assert out["requests"] == 3 and out["scaled"] is False
+    first = read_trace(bundled_trace_path(), limit=3)
+    assert out["prompt_tokens"] == sum(r.input_length for r in first)
+
+
+def test_text_report(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "--quiet", "--scaled", "--limit", "50"]) == 0
+    text = capsys.readouterr().out
+    assert "hit ratio" in text and "CPU hit" in text and "leaked blocks" in text
+
+
+def test_config_file_and_overrides(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("store_policy: lazy\nengine:\n  num_gpu_blocks: 100\n  block_size: 8\n")
+    config = replay_config(cfg, cpu_blocks=50)
+    assert config.store_policy == "lazy" and config.engine.block_size == 8
+    assert config.engine.num_gpu_blocks == 100 and config.num_cpu_blocks == 50
+    assert replay_config(cfg, gpu_blocks=64, store_policy="eager").engine.num_gpu_blocks == 64
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("engine:\n  block_sise: 8\n")
+    assert main(["replay", "--config", str(cfg), "--quiet"]) == 2
+    assert "engine.block_sise" in capsys.readouterr().err
+
+
+def test_malformed_trace_exits_2_with_the_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [7]}\n{"oops": 1}\n')
+    assert main(["replay", "--trace", str(trace), "--quiet"]) == 2
+    assert "t.jsonl:2" in capsys.readouterr().err
+
+
+def test_plot_writes_a_png_or_explains_the_missing_extra(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "hits.png"
+    code = main(["replay", "--quiet", "--scaled", "--limit", "100", "--plot", str(png)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert code == 2 and "pip install 'offload-connector[plot]'" in capsys.readouterr().err
+        return
+    assert code == 0 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_run_replay_reports_the_error_instead_of_raising() -> None:
+    config = replay_config(None, gpu_blocks=64, cpu_blocks=64)
+    result = run_replay(config, read_trace(bundled_trace_path(), limit=20), scaled=True)
+    assert result.error is None and result.to_dict()["integrity_errors"] == 0
+
+
+@pytest.mark.soak
+def test_default_replay_shows_cpu_hits(capsys: pytest.CaptureFixture[str]) -> None:
+    """The no-argument run (about a minute): the GPU pool is below the working set, the CPU tier hits."""
+    assert main(["replay", "--json", "--quiet"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cpu_hit_tokens"] > 0 and out["integrity_errors"] == 0 and out["leaked_blocks"] == 0
