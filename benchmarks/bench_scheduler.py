@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path[:0] = [str(ROOT), str(ROOT.parent)]
 
-from vllm_sim import VARIANTS, SimShape, VllmSim  # noqa: E402
+from vllm_sim import VARIANTS, SimShape, VllmSim, instrument_connector  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,26 +64,66 @@ def shape_of(args: argparse.Namespace) -> SimShape:
                     max_model_len=2048)
 
 
-def run_variant(variant: str, arrivals: list[Arrival], args: argparse.Namespace,
-                profiler: cProfile.Profile | None = None) -> dict:
-    sim = VllmSim(variant, shape_of(args), store_delay=args.store_delay)
-    pending = iter(arrivals)
-    nxt = next(pending, None)
-    timed_steps = 0
+class Feed:
+    """One variant's copy of the request stream: adds each arrival once its step has come."""
+
+    def __init__(self, sim: VllmSim, arrivals: list[Arrival]) -> None:
+        self.sim, self._arrivals, self._next = sim, arrivals, 0
+
+    @property
+    def done(self) -> bool:
+        return self._next == len(self._arrivals) and not self.sim.busy
+
+    def admit(self) -> None:
+        while self._next < len(self._arrivals) and self._arrivals[self._next].step <= self.sim.step_no:
+            a = self._arrivals[self._next]
+            self.sim.add(a.req_id, a.tokens, a.max_tokens)
+            self._next += 1
+
+
+def run_lockstep(arrivals: list[Arrival], args: argparse.Namespace,
+                 profile: tuple[str, cProfile.Profile] | None = None, breakdown: bool = False) -> dict[str, dict]:
+    """All three variants step by step in turn (rotating order), so machine noise hits them alike.
+
+    The garbage collector is off while stepping and runs, untimed, every 50 steps: one variant's garbage
+    must not be collected inside another's timed step.
+    """
+    feeds = {v: Feed(VllmSim(v, shape_of(args), store_delay=args.store_delay), arrivals) for v in VARIANTS}
+    timed_steps = dict.fromkeys(VARIANTS, 0)
+    hooks = {v: instrument_connector(f.sim) for v, f in feeds.items()} if breakdown else {}
     gc.collect()
-    while nxt is not None or sim.busy:
-        while nxt is not None and nxt.step <= sim.step_no:
-            sim.add(nxt.req_id, nxt.tokens, nxt.max_tokens)
-            nxt = next(pending, None)
-        if sim.step_no == args.warmup_steps:
-            sim.timed_seconds = 0.0
-            if profiler is not None:
-                profiler.enable()
-        sim.step()
-        timed_steps += sim.step_no > args.warmup_steps
-    if profiler is not None:
-        profiler.disable()
-    return summarize(sim, arrivals, timed_steps)
+    gc.disable()
+    try:
+        rnd = 0
+        while not all(f.done for f in feeds.values()):
+            rnd += 1
+            order = VARIANTS[rnd % 3:] + VARIANTS[:rnd % 3]
+            for v in order:
+                f = feeds[v]
+                if f.done:
+                    continue
+                f.admit()
+                if f.sim.step_no == args.warmup_steps:
+                    f.sim.cpu_seconds = f.sim.wall_seconds = 0.0
+                    for name in hooks.get(v, ()):
+                        hooks[v][name] = 0.0
+                prof = profile[1] if profile and profile[0] == v and f.sim.step_no >= args.warmup_steps else None
+                if prof is not None:
+                    prof.enable()
+                f.sim.step()
+                if prof is not None:
+                    prof.disable()
+                timed_steps[v] += f.sim.step_no > args.warmup_steps
+            if rnd % 50 == 0:
+                gc.collect()
+    finally:
+        gc.enable()
+    results = {v: summarize(f.sim, arrivals, timed_steps[v]) for v, f in feeds.items()}
+    for v, spent in hooks.items():
+        if feeds[v].sim.sched.connector is not None:
+            results[v]["hook_us_per_step"] = {k: round(x / max(1, timed_steps[v]) * 1e6, 1)
+                                              for k, x in spent.items()}
+    return results
 
 
 def summarize(sim: VllmSim, arrivals: list[Arrival], timed_steps: int) -> dict:
@@ -91,10 +131,18 @@ def summarize(sim: VllmSim, arrivals: list[Arrival], timed_steps: int) -> dict:
            if sim.finish_reasons.get(a.req_id) != "length" or sim.num_output_tokens.get(a.req_id) != a.max_tokens]
     problems = sim.leaks() + ([f"{len(bad)} requests without exactly max_tokens outputs (e.g. {bad[:3]})"]
                               if bad else [])
+    # Every prompt token and every decoded token but the last is computed once or comes from a cache.
+    expected = sum(len(a.tokens) + a.max_tokens - 1 for a in arrivals)
+    accounted = sim.num_scheduled_tokens + sim.gpu_hit_tokens + sim.connector_hit_tokens
+    if not sim.num_preempted and accounted != expected:
+        problems.append(f"computed + GPU-hit + CPU-hit tokens = {accounted}, expected {expected}")
     t = sim.worker.transfers
+    if sim.connector_hit_tokens != t.loaded_blocks * sim.shape.block_size:
+        problems.append(f"vLLM counted {sim.connector_hit_tokens} CPU-hit tokens, {t.loaded_blocks} blocks were loaded")
     waits = sim.load_waits
     return {
-        "us_per_step": round(sim.timed_seconds / max(1, timed_steps) * 1e6, 1),
+        "us_per_step": round(sim.cpu_seconds / max(1, timed_steps) * 1e6, 1),
+        "wall_us_per_step": round(sim.wall_seconds / max(1, timed_steps) * 1e6, 1),
         "steps": sim.step_no,
         "timed_steps": timed_steps,
         "scheduled_tokens": sim.num_scheduled_tokens,
@@ -148,10 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--store-delay", type=int, default=1, help="steps until a store is reported (both)")
     p.add_argument("--warmup-steps", type=int, default=300)
-    p.add_argument("--repeats", type=int, default=1, help="runs per variant (interleaved); min us/step kept")
+    p.add_argument("--repeats", type=int, default=1, help="lockstep runs; each variant's lowest us/step kept")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", choices=VARIANTS, help="cProfile the timed steps of this variant (extra run)")
     p.add_argument("--profile-top", type=int, default=25)
+    p.add_argument("--breakdown", action="store_true",
+                   help="extra run timing each connector hook (CPU us/step per hook, both connectors)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -159,8 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     results: dict[str, dict] = {}
     for _ in range(args.repeats):
-        for variant in VARIANTS:
-            r = run_variant(variant, arrivals, args)
+        for variant, r in run_lockstep(arrivals, args).items():
             if variant not in results or r["us_per_step"] < results[variant]["us_per_step"]:
                 results[variant] = r
     none, simple, ours = (results[v]["us_per_step"] for v in ("none", "simple", "ours"))
@@ -174,14 +223,18 @@ def main(argv: list[str] | None = None) -> int:
         "ours_steps_to_first_compute": steps_to_first_compute("ours"),
         "simple_steps_to_first_compute": steps_to_first_compute("simple"),
         "variants": results,
-        "workload": {k: v for k, v in vars(args).items() if k not in ("json", "profile", "profile_top")},
+        "workload": {k: v for k, v in vars(args).items()
+                     if k not in ("json", "profile", "profile_top", "breakdown")},
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
     profile_text = None
     if args.profile:
         profiler = cProfile.Profile()
-        run_variant(args.profile, arrivals, args, profiler)
+        run_lockstep(arrivals, args, (args.profile, profiler))
         profile_text = hotspots(profiler, args.profile_top)
+    if args.breakdown:
+        timed = run_lockstep(arrivals, args, breakdown=True)
+        out["hook_us_per_step"] = {v: timed[v]["hook_us_per_step"] for v in ("simple", "ours")}
     ok = not any(r["problems"] for r in results.values())
     if args.json:
         print(json.dumps(out, indent=2))
@@ -197,19 +250,23 @@ def print_readable(out: dict) -> None:
     print(f"vLLM Scheduler, {w['requests']} requests at {w['rate']}/step, {w['prefixes']} shared prefixes of "
           f"{w['prefix_blocks']} blocks, GPU {w['gpu_blocks']} blocks, CPU {w['cpu_blocks']} blocks "
           f"(block size {w['block_size']}), max_num_seqs {w['max_num_seqs']}, warm-up {w['warmup_steps']} steps")
-    cols = {"us_per_step": "us/step", "steps": "steps", "scheduled_tokens": "sched tok",
+    cols = {"us_per_step": "CPU us/step", "wall_us_per_step": "wall us/step", "steps": "steps", "scheduled_tokens": "sched tok",
             "gpu_hit_tokens": "GPU-hit tok", "cpu_hit_tokens": "CPU-hit tok", "stored_blocks": "stored blk",
             "loaded_blocks": "loaded blk", "preemptions": "preempt", "steps_to_first_compute_mean": "1st-compute",
             "steps_to_first_compute_max": "(max)"}
-    print(f"{'':8}" + "".join(f"{h:>12}" for h in cols.values()))
+    print(f"{'':8}" + "".join(f"{h:>13}" for h in cols.values()))
     for variant, r in out["variants"].items():
-        print(f"{variant:8}" + "".join(f"{'-' if r[c] is None else r[c]:>12}" for c in cols))
+        print(f"{variant:8}" + "".join(f"{'-' if r[c] is None else r[c]:>13}" for c in cols))
         for problem in r["problems"]:
             print(f"  PROBLEM ({variant}): {problem}")
     print(f"connector overhead per step: ours {out['ours_overhead_us']} us, Simple {out['simple_overhead_us']} us"
           f" -> ours_vs_simple = {out['ours_vs_simple']} (goal <= 0.5)")
     print(f"steps from admission to first compute (CPU hit, idle engine): ours "
           f"{out['ours_steps_to_first_compute']}, Simple {out['simple_steps_to_first_compute']}")
+    for variant, hooks in out.get("hook_us_per_step", {}).items():
+        total = round(sum(hooks.values()), 1)
+        print(f"{variant} hooks, CPU us/step (total {total}): "
+              + ", ".join(f"{k} {x}" for k, x in hooks.items() if x))
     print(f"wall time {out['wall_seconds']} s")
 
 

@@ -16,8 +16,9 @@ step's connector metadata into the `KVConnectorOutput` that connector's real wor
   are all reported in that step.
 - none: no connector, no connector output.
 
-`step()` times only the scheduler process's work: `Scheduler.schedule()` and `update_from_output()`.
-Building the fake outputs is the workers' and the model's work and is not timed.
+`step()` times only the scheduler process's work: `Scheduler.schedule()` and `update_from_output()`, as
+this thread's CPU time (robust on a shared machine) and as wall time. Building the fake outputs is the
+workers' and the model's work and is not timed.
 The tiny config-only model in tests/tiny_llama feeds vLLM's config (1 layer, 1 KV head, head size 4).
 """
 
@@ -208,7 +209,8 @@ class VllmSim:
         self.sched = build_scheduler(variant, shape)
         self.worker = make_worker(variant, load_delay, store_delay)
         self.step_no = 0
-        self.timed_seconds = 0.0
+        self.cpu_seconds = 0.0  # this thread's CPU time in schedule() + update_from_output()
+        self.wall_seconds = 0.0  # the same, wall clock (includes time other processes took the core)
         self.first_compute_step: dict[str, int] = {}  # req_id -> first step with scheduled tokens
         self.load_waits: list[int] = []  # per load: steps from the step it was issued to the next compute
         self._waiting_for_load: dict[str, int] = {}  # req_id -> step its load was issued
@@ -233,9 +235,9 @@ class VllmSim:
 
     def step(self) -> dict[str, int]:
         sched = self.sched
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         out = sched.schedule()
-        t1 = time.perf_counter()
+        c1, t1 = time.thread_time(), time.perf_counter()
         self.step_no += 1
         step = self.step_no
         kv_out = self.worker.output(out, step)
@@ -254,9 +256,11 @@ class VllmSim:
         runner_out = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
             kv_connector_output=kv_out)
-        t2 = time.perf_counter()
+        c2, t2 = time.thread_time(), time.perf_counter()
         outputs = sched.update_from_output(out, runner_out)
-        self.timed_seconds += (t1 - t0) + (time.perf_counter() - t2)
+        c3, t3 = time.thread_time(), time.perf_counter()
+        self.cpu_seconds += (c1 - c0) + (c3 - c2)
+        self.wall_seconds += (t1 - t0) + (t3 - t2)
         for eco in outputs.values():
             stats = eco.scheduler_stats
             if stats is not None:
@@ -289,3 +293,28 @@ class VllmSim:
         if held:
             problems.append(f"{held} GPU blocks still referenced")
         return problems
+
+
+HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+         "update_connector_output", "request_finished", "take_events", "get_kv_connector_stats",
+         "has_pending_push_work")
+
+
+def instrument_connector(sim: VllmSim) -> dict[str, float]:
+    """Wrap the scheduler's connector hooks with CPU-time counters; returns {hook: seconds}, updated live."""
+    spent = dict.fromkeys(HOOKS, 0.0)
+    connector = sim.sched.connector
+    if connector is None:
+        return spent
+    for name in HOOKS:
+        inner = getattr(connector, name)
+
+        def timed(*args, _inner=inner, _name=name, **kwargs):
+            c0 = time.thread_time()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                spent[_name] += time.thread_time() - c0
+
+        setattr(connector, name, timed)
+    return spent
