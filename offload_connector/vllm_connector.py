@@ -146,13 +146,14 @@ class OffloadConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         sched = self._sched()
-        # Loads: vLLM already counted every rank (a request is in finished_recving once all reported it).
-        if connector_output.finished_recving:
-            sched.finished_loading(connector_output.finished_recving)
+        # Reports first: failed load blocks must be matched to their load jobs before those finish.
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, OffloadWorkerMetadata) and meta.reports:
             reports = [msgspec.structs.replace(decode_report(r), finished_load_reqs=[]) for r in meta.reports]
             sched.update_connector_output(reports)
+        # Loads: vLLM already counted every rank (a request is in finished_recving once all reported it).
+        if connector_output.finished_recving:
+            sched.finished_loading(connector_output.finished_recving)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request)

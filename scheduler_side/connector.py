@@ -247,13 +247,27 @@ class OffloadScheduler:
             self.stats.bytes_loaded += report.bytes_loaded
             self.stats.store_seconds += report.store_seconds
             self.stats.load_seconds += report.load_seconds
-            self.stats.num_failed_load_blocks += len(report.failed_load_gpu_blocks)
+            if report.failed_load_gpu_blocks:
+                self._forget_failed_loads(report.failed_load_gpu_blocks)
             for req_id in report.finished_load_reqs:
                 self._on_load_report(req_id)
             for event_id in report.completed_store_events:
                 self._on_store_report(event_id, failed=False)
             for event_id in report.failed_store_events:
                 self._on_store_report(event_id, failed=True)
+
+    def _forget_failed_loads(self, failed_gpu_block_ids: Iterable[int]) -> None:
+        """A block whose load failed must not be offered again: the engine recomputes it, and a copy that
+        fails every time would otherwise be retried forever. Report failures before the loads finish."""
+        failed = set(failed_gpu_block_ids)
+        self.stats.num_failed_load_blocks += len(failed)
+        for state in self._requests.values():
+            job = state.load
+            if job is None:
+                continue
+            for gpu_id, cpu_block in zip(job.gpu_block_ids, job.cpu_blocks, strict=True):
+                if gpu_id in failed:
+                    self.cpu_pool.uncache(cpu_block)
 
     def finished_loading(self, finished_req_ids: Iterable[str]) -> None:
         """Loads reported by the engine itself (vLLM aggregates `finished_recving` across ranks)."""

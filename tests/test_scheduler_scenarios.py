@@ -252,6 +252,8 @@ def test_failed_load_releases_blocks_and_counts():
     assert sched.stats.num_failed_load_blocks == 2
     finish(sched, gpu, b, ids)
     assert_idle(sched, gpu)
+    # the failed blocks are not offered again (the engine recomputed them; they are stored anew)
+    assert sched.get_num_new_matched_tokens(FakeRequest("C", list(range(40)), BS), 0) == (0, False)
 
 
 def test_misuse_raises_and_late_completions_are_ignored(caplog):
