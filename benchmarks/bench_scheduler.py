@@ -6,7 +6,7 @@ Timed per step: `Scheduler.schedule()` + `update_from_output()`, i.e. the schedu
 after `--warmup-steps` untimed steps. Headline: ours_vs_simple = (ours - none) / (simple - none), the
 connector overhead above no connector, ours divided by Simple's (goal <= 0.5).
 
-Workload (defaults): requests arrive at `--rate` per step; each prompt is one of `--prefixes` shared
+Workload (defaults, about 97 requests running): requests arrive at `--rate` per step; each prompt is one of `--prefixes` shared
 prefixes of `--prefix-blocks` blocks (Zipf-like popularity) + 1-4 unique blocks + a partial block, and
 decodes 16-64 tokens. The GPU pool (`--gpu-blocks`) is too small to keep every prefix cached, so
 prefixes are evicted from the GPU and come back from the CPU tier (`--cpu-blocks`, the same for both).
