@@ -6,15 +6,15 @@ Timed per step: `Scheduler.schedule()` + `update_from_output()`, i.e. the schedu
 after `--warmup-steps` untimed steps. Headline: ours_vs_simple = (ours - none) / (simple - none), the
 connector overhead above no connector, ours divided by Simple's (goal <= 0.5).
 
-Workload (defaults, about 97 requests running): requests arrive at `--rate` per step; each prompt is one of `--prefixes` shared
-prefixes of `--prefix-blocks` blocks (Zipf-like popularity) + 1-4 unique blocks + a partial block, and
-decodes 16-64 tokens. The GPU pool (`--gpu-blocks`) is too small to keep every prefix cached, so
+Workload (defaults; about 97 requests running): requests arrive at `--rate` per step; each prompt is
+one of `--prefixes` shared prefixes of `--prefix-blocks` blocks (Zipf-like popularity) + 1-4 unique
+blocks + a partial block, and decodes 16-64 tokens. The GPU pool (`--gpu-blocks`) is too small to keep every prefix cached, so
 prefixes are evicted from the GPU and come back from the CPU tier (`--cpu-blocks`, the same for both).
 
 Also measured (issue 6 §2): steps from admission (load issued) to first compute for a CPU-hit request,
 alone in an idle engine (`*_steps_to_first_compute`) and over the workload (mean / max).
 
-    python benchmarks/bench_scheduler.py [--json] [--repeats N] [--profile ours|simple|none]
+    python benchmarks/bench_scheduler.py [--json] [--breakdown] [--repeats N] [--profile ours|simple|none]
 """
 
 from __future__ import annotations
