@@ -15,8 +15,12 @@ PROMPT = list(range(100, 116))  # 16 tokens = 4 full blocks
 
 
 def finish(engine: FakeEngine, request_id: str, prompt: list[int], max_tokens: int = 2) -> list[int]:
+    """Run one request to the end, then let its stores land (stores complete asynchronously)."""
     engine.add_request(request_id, prompt, max_tokens)
     engine.run()
+    backend = engine.worker.backend if engine.worker is not None else None
+    if not (isinstance(backend, FaultyBackend) and backend.held_job_ids()):
+        engine.drain()
     return engine.outputs[request_id]
 
 
