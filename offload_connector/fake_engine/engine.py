@@ -8,7 +8,7 @@ Step order, mirroring vLLM v1 (SPEC §4-§5):
 3. back on the scheduler side: the forward's results, then `update_connector_output(report)`.
 With `connector=False` the same engine runs without any offloading (the reference for equal outputs).
 
-`drain()` waits for every in-flight transfer and applies its completion; `check()` then counts blocks still
+`drain()` runs empty connector steps until every transfer is done and applied; `check()` then counts blocks still
 referenced (leaks) and runs every pool's `check_integrity()`. The engine owns the worker and shuts it down
 in `close()`; use it as a context manager.
 """
@@ -123,12 +123,16 @@ class FakeEngine:
 
     # ------------------------------------------------------------------ end of run
     def drain(self) -> None:
-        """Wait for every in-flight transfer and apply its completion."""
+        """Finish every transfer: keep handing the connector empty steps (it may hold blocks for its next
+        store event) and waiting for the worker, until both are idle."""
         if self.worker is None or self.connector is None:
             return
         for _ in range(1000):
             if self.worker.num_in_flight == 0 and self.connector.is_idle():
                 break
+            meta = self.connector.build_connector_meta([])
+            self.worker.start_load(meta)
+            self.worker.start_store(meta)
             self.worker.wait_all()
             self._poll_worker(wait_for_loads=False)
         else:
