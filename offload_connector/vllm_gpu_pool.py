@@ -4,7 +4,8 @@ The engine owns the pool. Through this view the connector only ever
 - takes one reference on a block (`touch`) while a transfer of it is in flight, and
 - drops exactly the references it took (`free`), optionally putting blocks that reach zero at the *head*
   of vLLM's free queue (evicted first) instead of the tail, and
-- reads the free queue from its head (the eviction frontier) for lazy stores.
+- reads the free queue from its head (the eviction frontier) for lazy stores, and puts blocks it saved
+  back at their place in that order (`move_to_front`).
 
 Invariants kept: a block with a connector reference has ref_cnt > 0, so it is never in vLLM's free queue
 and never handed to another request; the null block (id 0) is never touched or freed here. A failed
@@ -81,6 +82,20 @@ class VllmGpuPool:
         while block is not None and block is not tail:
             yield block.block_id, block.block_hash
             block = block.next_free_block
+
+    def move_to_front(self, blocks: Sequence[tuple[int, bytes | None]]) -> None:
+        """Put these free blocks at the head of vLLM's free queue, first listed nearest the head.
+
+        A block that is held now, or whose hash changed since it was listed, stays where it is.
+        """
+        queue = self.pool.free_block_queue
+        moved = []
+        for gpu_block_id, key in blocks:
+            block = self.pool.blocks[gpu_block_id]
+            if block.ref_cnt == 0 and block.block_hash == key and block.prev_free_block is not None:
+                queue.remove(block)
+                moved.append(block)
+        queue.prepend_n(moved)
 
     def num_free_blocks(self) -> int:
         return self.pool.free_block_queue.num_free_blocks

@@ -146,6 +146,7 @@ class OffloadScheduler:
         state.finished = False
         state.gpu_block_ids = list(gpu_block_ids)
         state.num_store_checked_blocks = 0
+        state.num_computed_tokens = 0
         hit = state.pending_hit
         state.pending_hit = None
         if num_external_tokens == 0:
@@ -206,20 +207,21 @@ class OffloadScheduler:
                 state.gpu_block_ids = list(step.new_gpu_block_ids)
             else:
                 state.gpu_block_ids.extend(step.new_gpu_block_ids)
+            state.num_computed_tokens = step.num_computed_tokens
             self.policy.on_scheduled(state, step.num_computed_tokens)
 
         gpu_ids, keys = self.policy.select_stores()
-        if gpu_ids:
-            self._emit_store(meta, gpu_ids, keys)
+        event = self._emit_store(meta, gpu_ids, keys) if gpu_ids else None
+        self.policy.on_stores_emitted(event)
         return meta
 
-    def _emit_store(self, meta: TransferMetadata, gpu_ids: list[int], keys: list[bytes]) -> None:
+    def _emit_store(self, meta: TransferMetadata, gpu_ids: list[int], keys: list[bytes]) -> StoreEvent | None:
         cpu_blocks = self._allocate_cpu(len(gpu_ids))
         if len(cpu_blocks) < len(gpu_ids):
             self.stats.num_store_skipped_blocks += len(gpu_ids) - len(cpu_blocks)
             gpu_ids, keys = gpu_ids[:len(cpu_blocks)], keys[:len(cpu_blocks)]
         if not gpu_ids:
-            return
+            return None
         self.gpu_pool.touch(gpu_ids)
         for block, key in zip(cpu_blocks, keys, strict=True):
             block.block_hash = key  # stamped now, registered in the map only once the copy is done
@@ -230,7 +232,7 @@ class OffloadScheduler:
         meta.store_event = event.event_id
         meta.store_gpu_blocks = gpu_ids
         meta.store_cpu_blocks = [b.block_id for b in cpu_blocks]
-        self.policy.on_store_scheduled(event)
+        return event
 
     def _allocate_cpu(self, num: int) -> list[Block]:
         """Up to `num` CPU blocks, evicting LRU cached ones; fewer when the pool is pinned full."""
@@ -332,7 +334,7 @@ class OffloadScheduler:
         if state is None:
             return False, None
         self._drop_pending_hit(state)
-        self.policy.on_request_gone(state)
+        self.policy.on_request_finished(state)
         if state.load is not None:
             state.finished = True  # deleted when its load completes (a queued load is still sent)
         else:
@@ -343,7 +345,6 @@ class OffloadScheduler:
         """The engine freed the request's GPU blocks; it will be re-admitted through a lookup."""
         state = self._requests.get(request_id)
         if state is not None:
-            self.policy.on_request_gone(state)
             state.gpu_block_ids = []
             state.num_store_checked_blocks = 0
 
@@ -354,13 +355,15 @@ class OffloadScheduler:
 
     @property
     def num_inflight_transfers(self) -> int:
-        return len(self._store_events) + sum(1 for s in self._requests.values() if s.load is not None)
+        """Transfers in flight or queued (the engine should keep stepping until this is zero)."""
+        return (len(self._store_events) + sum(1 for s in self._requests.values() if s.load is not None)
+                + self.policy.num_held_blocks)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
     def is_idle(self) -> bool:
-        return not self._store_events and not self._loads_to_send and all(
+        return not self._store_events and not self._loads_to_send and not self.policy.num_held_blocks and all(
             s.load is None and s.pending_hit is None for s in self._requests.values()
         )
 

@@ -34,6 +34,9 @@ class GpuPool(Protocol):
     def eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         """(gpu_block_id, cache key or None) of free blocks, from the eviction frontier onwards."""
 
+    def num_free_blocks(self) -> int:
+        """Blocks in the free queue now."""
+
     def move_to_front(self, blocks: Sequence[tuple[int, bytes | None]]) -> None:
         """Put these free blocks at the head of the free queue, first listed nearest the head.
 
@@ -72,6 +75,9 @@ class BlockPoolGpuView:
     def eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         for block in self.pool.free_queue:
             yield block.block_id, block.block_hash
+
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
 
     def move_to_front(self, blocks: Sequence[tuple[int, bytes | None]]) -> None:
         queue = self.pool.free_queue

@@ -45,11 +45,17 @@ class StorePolicy:
 
     def on_load_complete(self, job: LoadJob) -> None: ...
 
-    def on_store_scheduled(self, event: StoreEvent) -> None: ...
+    def on_stores_emitted(self, event: StoreEvent | None) -> None:
+        """After `select_stores`: the store event made of its picks (None if nothing could be stored)."""
 
     def on_store_complete(self, event: StoreEvent) -> None: ...
 
-    def on_request_gone(self, state: RequestState) -> None: ...
+    def on_request_finished(self, state: RequestState) -> None: ...
+
+    @property
+    def num_held_blocks(self) -> int:
+        """GPU blocks the policy holds a reference on while they wait for the next store event."""
+        return 0
 
 
 class EagerStorePolicy(StorePolicy):
@@ -93,6 +99,7 @@ class LazyStorePolicy(StorePolicy):
         self._peak_alloc = 0.0  # decaying peak of per-step allocations
         self._scanned: list[tuple[int, bytes | None]] = []  # the frontier this step's selection scanned
         self._frontier_of: dict[int, list[tuple[int, bytes | None]]] = {}  # store event -> its frontier
+        self._held: dict[bytes, int] = {}  # key -> GPU block we hold for the next store event
 
     @property
     def lookahead(self) -> int:
@@ -124,8 +131,9 @@ class LazyStorePolicy(StorePolicy):
     def select_stores(self) -> tuple[list[int], list[bytes]]:
         self._peak_alloc = max(float(self._step_alloc), 0.9 * self._peak_alloc)
         self._step_alloc = 0
-        gpu_ids: list[int] = []
-        keys: list[bytes] = []
+        gpu_ids = list(self._held.values())
+        keys = list(self._held)
+        picked = set(keys)
         scanned: list[tuple[int, bytes | None]] = []
         budget = self.lookahead
         for gpu_id, key in self.sched.gpu_pool.eviction_candidates():
@@ -133,25 +141,56 @@ class LazyStorePolicy(StorePolicy):
                 break
             budget -= 1
             scanned.append((gpu_id, key))
-            if key is not None and not self._is_saved(key):
+            if key is not None and key not in picked and not self._is_saved(key):
+                picked.add(key)
                 gpu_ids.append(gpu_id)
                 keys.append(key)
         self._scanned = scanned
         return gpu_ids, keys
 
-    def on_store_scheduled(self, event: StoreEvent) -> None:
-        """Remember the frontier up to the last block this event stores (a full CPU pool may cut it)."""
-        last = event.gpu_block_ids[-1]
-        frontier = self._scanned
-        end = next(i for i in range(len(frontier) - 1, -1, -1) if frontier[i][0] == last)
-        self._frontier_of[event.event_id] = frontier[:end + 1]
-        self._scanned = []
+    def on_stores_emitted(self, event: StoreEvent | None) -> None:
+        """Hand held blocks over to the store event (which took its own reference); remember the frontier
+        up to the last scanned block the event stores (a full CPU pool may have cut the list)."""
+        if self._held:
+            self.sched.gpu_pool.free(list(self._held.values()))
+            self._held = {}
+        frontier, self._scanned = self._scanned, []
+        if event is None:
+            return
+        stored = set(event.gpu_block_ids)
+        end = next((i for i in range(len(frontier) - 1, -1, -1) if frontier[i][0] in stored), -1)
+        if end >= 0:
+            self._frontier_of[event.event_id] = frontier[:end + 1]
 
     def on_store_complete(self, event: StoreEvent) -> None:
         """Saved blocks went back to the head; restore the frontier's LRU order around them."""
         frontier = self._frontier_of.pop(event.event_id, None)
         if frontier:
             self.sched.gpu_pool.move_to_front(frontier)
+
+    def on_request_finished(self, state: RequestState) -> None:
+        """Blocks freed now are scanned only at the next step's metadata, after that step's allocations.
+        When the free queue is shorter than the lookahead, those allocations could evict them unsaved: hold
+        them (one reference each) until the next store event takes them."""
+        pool = self.sched.gpu_pool
+        if pool.num_free_blocks() >= self.lookahead:
+            return
+        hashes = state.request.block_hashes
+        n = min(state.num_computed_tokens // self.sched.block_size, len(hashes), len(state.gpu_block_ids))
+        ids = []
+        for i in range(n):
+            key = with_group_id(hashes[i], self.sched.group_id)
+            gpu_id = state.gpu_block_ids[i]
+            if gpu_id == 0 or key in self._held or self._is_saved(key):
+                continue
+            self._held[key] = gpu_id
+            ids.append(gpu_id)
+        if ids:
+            pool.touch(ids)
+
+    @property
+    def num_held_blocks(self) -> int:
+        return len(self._held)
 
 
 def make_store_policy(config: OffloadConfig, sched: OffloadScheduler) -> StorePolicy:

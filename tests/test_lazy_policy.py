@@ -69,3 +69,23 @@ def test_lazy_gpu_hit_discards_the_cpu_copy():
     assert sched.get_num_new_matched_tokens(b, 8) == (0, False)
     assert {blk.block_id for blk in list(sched.cpu_pool.free_queue)[:2]} == set(meta.store_cpu_blocks)
     assert not sched.cpu_pool.cached
+
+
+def test_lazy_holds_a_finished_requests_blocks_when_the_pool_is_nearly_full():
+    sched, gpu = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, block_size=BS,
+                                store_policy="lazy", lazy_lookahead_blocks=8)
+    a = FakeRequest("A", list(range(9)), BS)
+    _, _, ids = admit(sched, gpu, a)
+    assert sched.build_connector_meta([step_done("A", ids, 9)]).store_event is None
+    # 1. A finishes with 0 free GPU blocks (< lookahead): its 2 full blocks are held, not freed.
+    sched.request_finished(a)
+    gpu.free([gpu.blocks[i] for i in reversed(ids)])
+    assert sched.num_inflight_transfers == 2 and not sched.is_idle()
+    assert [gpu.blocks[i].ref_cnt for i in ids] == [1, 1, 0]
+    # 2. The next step's allocation cannot evict them; the next metadata stores them.
+    assert gpu.allocate(2) is None
+    meta = sched.build_connector_meta([])
+    assert meta.store_gpu_blocks == ids[:2]
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    assert sched.is_idle() and gpu.num_held_blocks() == 0
+    assert sched.get_num_new_matched_tokens(FakeRequest("B", list(range(9)), BS), 0) == (8, True)

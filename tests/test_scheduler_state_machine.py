@@ -118,17 +118,21 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "sched"):
             return
-        meta = self.sched.build_connector_meta([])  # hands over loads queued since the last step
-        self.sent_loads.extend(meta.load_event_reqs)
-        if meta.store_event is not None:
-            self.stores[meta.store_event] = list(meta.store_gpu_blocks)
-        for event in list(self.stores):
-            self.sched.update_connector_output([report(completed_store_events=[event])] * self.world_size)
-        for rid in self.sent_loads:
-            self.sched.update_connector_output([report(finished_load_reqs=[rid])] * self.world_size)
-        for r in self.reqs.values():
+        for r in self.reqs.values():  # the engine finishes everything ...
             self.sched.request_finished(r.req)
             self.gpu.free([self.gpu.blocks[i] for i in reversed(r.gpu_ids)])
+        for _ in range(5):  # ... and keeps stepping while transfers are queued or in flight
+            meta = self.sched.build_connector_meta([])
+            self.sent_loads.extend(meta.load_event_reqs)
+            if meta.store_event is not None:
+                self.stores[meta.store_event] = list(meta.store_gpu_blocks)
+            for event in list(self.stores):
+                self.sched.update_connector_output([report(completed_store_events=[event])] * self.world_size)
+            for rid in self.sent_loads:
+                self.sched.update_connector_output([report(finished_load_reqs=[rid])] * self.world_size)
+            self.stores, self.sent_loads = {}, []
+            if self.sched.num_inflight_transfers == 0:
+                break
         assert self.sched.is_idle()
         self.sched.check_integrity()
         assert self.sched.cpu_pool.num_held_blocks() == 0

@@ -112,7 +112,14 @@ def test_gpu_pool_view_on_vllm_block_pool() -> None:
     assert 2 not in [i for i, _ in view.eviction_candidates()]
     pool.free_blocks([pool.blocks[2]])
     assert view.num_free_blocks() == 7
-    # 4. Misuse is refused before anything changes.
+    # 4. move_to_front restores a frontier order; held blocks and changed hashes stay put.
+    view.move_to_front([(4, None), (3, None), (1, b"not-its-hash")])
+    assert [i for i, _ in view.eviction_candidates()][:3] == [4, 3, 2]  # 2 came back unhashed: head
+    view.touch([7])
+    view.move_to_front([(7, None)])
+    assert 7 not in [i for i, _ in view.eviction_candidates()]
+    view.free([7])
+    # 5. Misuse is refused before anything changes.
     with pytest.raises(GpuPoolError):
         view.free([3])
     with pytest.raises(GpuPoolError):
