@@ -108,6 +108,7 @@ class OffloadConnector(KVConnectorBase_V1):
             max_blocks_per_step=sched.max_num_batched_tokens // self.shape.block_size + sched.max_num_seqs,
         )
         self._stats_tracker = StatsTracker()
+        self._last_stats_values: tuple[float, ...] = ()
         kv_events = getattr(vllm_config, "kv_events_config", None)
         self._emit_kv_events = bool(kv_events is not None and kv_events.enable_kv_cache_events)
 
@@ -137,11 +138,15 @@ class OffloadConnector(KVConnectorBase_V1):
             steps.append(StepRequest(new.req_id, new.block_ids[0] if new.block_ids else [],
                                      new.num_computed_tokens + num_scheduled.get(new.req_id, 0), True))
         cached = scheduler_output.scheduled_cached_reqs
+        bs = self.shape.block_size
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
-            steps.append(StepRequest(req_id, new_ids[0] if new_ids else [],
-                                     cached.num_computed_tokens[i] + num_scheduled.get(req_id, 0),
-                                     req_id in cached.resumed_req_ids))
+            before = cached.num_computed_tokens[i]
+            after = before + num_scheduled.get(req_id, 0)
+            resumed = req_id in cached.resumed_req_ids
+            if not (new_ids and new_ids[0]) and not resumed and after // bs == before // bs:
+                continue  # the common decode step: no new block, none completed; nothing to tell
+            steps.append(StepRequest(req_id, new_ids[0] if new_ids else [], after, resumed))
         return OffloadConnectorMetadata(sched.build_connector_meta(steps))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -149,8 +154,8 @@ class OffloadConnector(KVConnectorBase_V1):
         # Reports first: failed load blocks must be matched to their load jobs before those finish.
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, OffloadWorkerMetadata) and meta.reports:
-            reports = [msgspec.structs.replace(decode_report(r), finished_load_reqs=[]) for r in meta.reports]
-            sched.update_connector_output(reports)
+            # the ranks leave finished loads out of these reports: vLLM carries them in finished_recving
+            sched.update_connector_output([decode_report(r) for r in meta.reports])
         # Loads: vLLM already counted every rank (a request is in finished_recving once all reported it).
         if connector_output.finished_recving:
             sched.finished_loading(connector_output.finished_recving)
@@ -174,6 +179,10 @@ class OffloadConnector(KVConnectorBase_V1):
         sched = getattr(self, "offload", None)
         if sched is None or not self.config.metrics:
             return None
+        values = sched.stats.values()
+        if values == self._last_stats_values:
+            return None  # no counter moved: nothing to report this step
+        self._last_stats_values = values
         pool = sched.cpu_pool
         gauges = {"cpu_pool_usage": round(pool.usage, 4), "cpu_blocks_cached": len(pool.cached),
                   "cpu_blocks_total": pool.num_blocks - 1}
@@ -266,7 +275,8 @@ class OffloadConnector(KVConnectorBase_V1):
         report, self._report = self._report, None
         if report is None or (report.is_empty and not report.bytes_stored and not report.bytes_loaded):
             return None
-        return OffloadWorkerMetadata(reports=[encode(report)])
+        # finished loads reach the scheduler through vLLM's finished_recving (counted across ranks there)
+        return OffloadWorkerMetadata(reports=[encode(msgspec.structs.replace(report, finished_load_reqs=[]))])
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         return  # in-flight blocks hold connector references: vLLM cannot reuse them before we finish
