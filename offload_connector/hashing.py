@@ -78,4 +78,8 @@ def hash_request_tokens(
 
 def with_group_id(block_hash: bytes, group_id: int = 0) -> BlockHashWithGroupId:
     """The connector's cache key: a block hash plus the KV-cache group id it belongs to."""
-    return BlockHashWithGroupId(bytes(block_hash) + group_id.to_bytes(4, "big", signed=False))
+    suffix = _GROUP_SUFFIX[group_id] if group_id < len(_GROUP_SUFFIX) else group_id.to_bytes(4, "big")
+    return BlockHashWithGroupId(block_hash + suffix if type(block_hash) is bytes else bytes(block_hash) + suffix)
+
+
+_GROUP_SUFFIX = tuple(g.to_bytes(4, "big") for g in range(16))

@@ -108,9 +108,9 @@ class OffloadConnector(KVConnectorBase_V1):
             max_blocks_per_step=sched.max_num_batched_tokens // self.shape.block_size + sched.max_num_seqs,
         )
         self._stats_tracker = StatsTracker()
-        self._last_stats_values: tuple[float, ...] = ()
         kv_events = getattr(vllm_config, "kv_events_config", None)
         self._emit_kv_events = bool(kv_events is not None and kv_events.enable_kv_cache_events)
+        self.offload.emit_kv_events = self._emit_kv_events
 
     def _sched(self) -> OffloadScheduler:
         if self.offload is None:
@@ -139,14 +139,13 @@ class OffloadConnector(KVConnectorBase_V1):
                                      new.num_computed_tokens + num_scheduled.get(new.req_id, 0), True))
         cached = scheduler_output.scheduled_cached_reqs
         bs = self.shape.block_size
-        for i, req_id in enumerate(cached.req_ids):
-            new_ids = cached.new_block_ids[i]
-            before = cached.num_computed_tokens[i]
+        resumed_ids = cached.resumed_req_ids
+        for req_id, new_ids, before in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                                           strict=True):
             after = before + num_scheduled.get(req_id, 0)
-            resumed = req_id in cached.resumed_req_ids
-            if not (new_ids and new_ids[0]) and not resumed and after // bs == before // bs:
+            if not (new_ids and new_ids[0]) and after // bs == before // bs and req_id not in resumed_ids:
                 continue  # the common decode step: no new block, none completed; nothing to tell
-            steps.append(StepRequest(req_id, new_ids[0] if new_ids else [], after, resumed))
+            steps.append(StepRequest(req_id, new_ids[0] if new_ids else [], after, req_id in resumed_ids))
         return OffloadConnectorMetadata(sched.build_connector_meta(steps))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -179,14 +178,10 @@ class OffloadConnector(KVConnectorBase_V1):
         sched = getattr(self, "offload", None)
         if sched is None or not self.config.metrics:
             return None
-        values = sched.stats.values()
-        if values == self._last_stats_values:
-            return None  # no counter moved: nothing to report this step
-        self._last_stats_values = values
         pool = sched.cpu_pool
-        gauges = {"cpu_pool_usage": round(pool.usage, 4), "cpu_blocks_cached": len(pool.cached),
-                  "cpu_blocks_total": pool.num_blocks - 1}
-        return self._stats_tracker.take(sched.stats.snapshot(), gauges)
+        return self._stats_tracker.take(sched.stats.values(), lambda: {
+            "cpu_pool_usage": round(pool.usage, 4), "cpu_blocks_cached": len(pool.cached),
+            "cpu_blocks_total": pool.num_blocks - 1})
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> OffloadConnectorStats | None:

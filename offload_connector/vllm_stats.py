@@ -11,6 +11,7 @@ so nothing is counted twice under tensor parallelism.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +20,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-COUNTERS = (
-    "num_lookups", "num_lookup_tokens", "num_hit_tokens", "num_loaded_blocks", "num_stored_blocks",
-    "num_store_skipped_blocks", "num_failed_store_blocks", "num_failed_load_blocks", "num_cpu_evictions",
-    "bytes_stored", "bytes_loaded", "store_seconds", "load_seconds",
-)
+from scheduler_side.stats import FIELDS
+
+COUNTERS = FIELDS  # every SchedulerStats field is a running counter, in `SchedulerStats.values()` order
 GAUGES = ("cpu_pool_usage", "cpu_blocks_cached", "cpu_blocks_total")
 
 _DOCS = {
@@ -89,18 +88,21 @@ class OffloadConnectorStats(KVConnectorStats):
 
 
 class StatsTracker:
-    """Deltas of the scheduler side's running counters since the previous `take()`."""
+    """Deltas of the scheduler side's running counters since the previous `take()`.
+
+    Works on `SchedulerStats.values()` tuples: an unchanged step costs one tuple comparison.
+    """
 
     def __init__(self) -> None:
-        self._last: dict[str, float] = {}
+        self._last: tuple[float, ...] = (0,) * len(COUNTERS)
 
-    def take(self, snapshot: dict[str, float], gauges: dict[str, float]) -> OffloadConnectorStats | None:
-        deltas = {name: snapshot[name] - self._last.get(name, 0) for name in COUNTERS if name in snapshot}
-        self._last = dict(snapshot)
-        if not any(deltas.values()):
+    def take(self, values: tuple[float, ...], gauges: Callable[[], dict[str, float]]) -> OffloadConnectorStats | None:
+        last = self._last
+        if values == last:
             return None
-        return OffloadConnectorStats(data={"counters": {k: v for k, v in deltas.items() if v},
-                                           "gauges": dict(gauges)})
+        self._last = values
+        counters = {name: v - p for name, v, p in zip(COUNTERS, values, last, strict=True) if v != p}
+        return OffloadConnectorStats(data={"counters": counters, "gauges": gauges()})
 
 
 class OffloadPromMetrics(KVConnectorPromMetrics):

@@ -67,6 +67,7 @@ class OffloadScheduler:
     world_size: int = 1
     group_id: int = 0
     max_blocks_per_step: int | None = None  # the engine's allocation bound per step (lazy lookahead)
+    emit_kv_events: bool = True  # collect BlockStored/BlockRemoved for `take_events` (off: none kept)
     cpu_pool: BlockPool = field(init=False)
     stats: SchedulerStats = field(init=False, default_factory=SchedulerStats)
 
@@ -312,7 +313,7 @@ class OffloadScheduler:
                 del self._inflight_store_keys[key]
             if event.failed:
                 block.block_hash = None
-            elif self.cpu_pool.cache(block, key):
+            elif self.cpu_pool.cache(block, key) and self.emit_kv_events:
                 self._kv_events.append(KVEvent("stored", key))
         if event.failed:
             self.stats.num_failed_store_blocks += len(event.cpu_blocks)
@@ -325,7 +326,8 @@ class OffloadScheduler:
 
     def _on_cpu_evict(self, key: bytes) -> None:
         self.stats.num_cpu_evictions += 1
-        self._kv_events.append(KVEvent("removed", key))
+        if self.emit_kv_events:
+            self._kv_events.append(KVEvent("removed", key))
 
     # ------------------------------------------------------------------ 5. finish, preempt
     def request_finished(self, request: RequestLike) -> tuple[bool, dict | None]:
