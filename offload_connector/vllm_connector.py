@@ -140,10 +140,11 @@ class OffloadConnector(KVConnectorBase_V1):
         cached = scheduler_output.scheduled_cached_reqs
         bs = self.shape.block_size
         resumed_ids = cached.resumed_req_ids
+        num_scheduled_of = num_scheduled.get
         for req_id, new_ids, before in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
                                            strict=True):
-            after = before + num_scheduled.get(req_id, 0)
-            if not (new_ids and new_ids[0]) and after // bs == before // bs and req_id not in resumed_ids:
+            after = before + num_scheduled_of(req_id, 0)
+            if after // bs == before // bs and not (new_ids and new_ids[0]) and req_id not in resumed_ids:
                 continue  # the common decode step: no new block, none completed; nothing to tell
             steps.append(StepRequest(req_id, new_ids[0] if new_ids else [], after, req_id in resumed_ids))
         return OffloadConnectorMetadata(sched.build_connector_meta(steps))
@@ -153,9 +154,9 @@ class OffloadConnector(KVConnectorBase_V1):
         # Reports first: failed load blocks must be matched to their load jobs before those finish.
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, OffloadWorkerMetadata) and meta.reports:
-            # the ranks leave finished loads out of these reports: vLLM carries them in finished_recving
-            sched.update_connector_output([decode_report(r) for r in meta.reports])
-        # Loads: vLLM already counted every rank (a request is in finished_recving once all reported it).
+            # Loads come only from finished_recving (vLLM counted every rank there): a rank's report leaves
+            # them out, and any it lists anyway are ignored so that no load completes twice.
+            sched.update_connector_output([decode_report(r) for r in meta.reports], count_loads=False)
         if connector_output.finished_recving:
             sched.finished_loading(connector_output.finished_recving)
 

@@ -42,14 +42,12 @@ class VllmGpuPool:
 
     def _blocks(self, gpu_block_ids: Sequence[int]) -> list[Any]:
         blocks = self.pool.blocks
-        out = []
-        for gpu_block_id in gpu_block_ids:
-            if gpu_block_id <= 0 or gpu_block_id >= len(blocks):
-                raise GpuPoolError(
-                    f"GPU block id {gpu_block_id} is the null block or out of range 1..{len(blocks) - 1} (our bug)"
-                )
-            out.append(blocks[gpu_block_id])
-        return out
+        if gpu_block_ids and (min(gpu_block_ids) <= 0 or max(gpu_block_ids) >= len(blocks)):
+            bad = next(i for i in gpu_block_ids if i <= 0 or i >= len(blocks))
+            raise GpuPoolError(
+                f"GPU block id {bad} is the null block or out of range 1..{len(blocks) - 1} (our bug)"
+            )
+        return [blocks[i] for i in gpu_block_ids]
 
     def touch(self, gpu_block_ids: Sequence[int]) -> None:
         self.pool.touch(self._blocks(gpu_block_ids))

@@ -54,12 +54,11 @@ class BlockPool:
         """Take `num` blocks from the LRU head (ref_cnt 1, no hash), evicting cached ones; None if short."""
         if num > self.free_queue.num_free_blocks:
             return None
-        out = []
-        for _ in range(num):
-            block = self.free_queue.popleft()
-            self._drop_hash(block)
+        out = self.free_queue.popleft_n(num)
+        for block in out:
+            if block.block_hash is not None:
+                self._drop_hash(block)
             block.ref_cnt = 1
-            out.append(block)
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -77,19 +76,23 @@ class BlockPool:
         By default at the tail (most recently used); with `front=True` at the head (evicted first), the
         first listed block ending up nearest the head.
         """
-        if front:
-            blocks = reversed(list(blocks))
-        for block in blocks:
-            if block is self.null_block:
-                raise PoolError("free of the null block 0 (caller bug)")
-            if block.ref_cnt <= 0:
-                raise PoolError(f"double free of {block} (caller bug)")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if front:
-                    self.free_queue.appendleft(block)
-                else:
-                    self.free_queue.append(block)
+        null_block = self.null_block
+        released = []
+        try:
+            for block in blocks:
+                if block is null_block:
+                    raise PoolError("free of the null block 0 (caller bug)")
+                ref_cnt = block.ref_cnt
+                if ref_cnt <= 0:
+                    raise PoolError(f"double free of {block} (caller bug)")
+                block.ref_cnt = ref_cnt - 1
+                if ref_cnt == 1:
+                    released.append(block)
+        finally:  # blocks already released enter the queue even when a later one is a caller bug
+            if front:
+                self.free_queue.prepend_n(released)
+            else:
+                self.free_queue.append_n(released)
 
     def discard(self, block: Block) -> bool:
         """Forget a free cached block's content and move it to the head of the free queue.

@@ -224,9 +224,10 @@ class OffloadScheduler:
         if not gpu_ids:
             return None
         self.gpu_pool.touch(gpu_ids)
+        inflight = self._inflight_store_keys
         for block, key in zip(cpu_blocks, keys, strict=True):
             block.block_hash = key  # stamped now, registered in the map only once the copy is done
-            self._inflight_store_keys[key] = block
+            inflight[key] = block
         event = StoreEvent(self._next_store_event, gpu_ids, cpu_blocks, keys)
         self._next_store_event += 1
         self._store_events[event.event_id] = event
@@ -241,19 +242,26 @@ class OffloadScheduler:
         return self.cpu_pool.allocate(take) or []
 
     # ------------------------------------------------------------------ 4. completions
-    def update_connector_output(self, reports: WorkerReport | Iterable[WorkerReport]) -> None:
-        """Apply one report per rank (or a single report when world_size == 1)."""
+    def update_connector_output(self, reports: WorkerReport | Iterable[WorkerReport], *,
+                                count_loads: bool = True) -> None:
+        """Apply one report per rank (or a single report when world_size == 1).
+
+        With `count_loads=False` the reports' `finished_load_reqs` are ignored: the engine reports finished
+        loads itself through `finished_loading` (vLLM's `finished_recving`), and a load must not count twice.
+        """
         if isinstance(reports, WorkerReport):
             reports = [reports]
+        stats = self.stats
         for report in reports:
-            self.stats.bytes_stored += report.bytes_stored
-            self.stats.bytes_loaded += report.bytes_loaded
-            self.stats.store_seconds += report.store_seconds
-            self.stats.load_seconds += report.load_seconds
+            stats.bytes_stored += report.bytes_stored
+            stats.bytes_loaded += report.bytes_loaded
+            stats.store_seconds += report.store_seconds
+            stats.load_seconds += report.load_seconds
             if report.failed_load_gpu_blocks:
                 self._forget_failed_loads(report.failed_load_gpu_blocks)
-            for req_id in report.finished_load_reqs:
-                self._on_load_report(req_id)
+            if count_loads:
+                for req_id in report.finished_load_reqs:
+                    self._on_load_report(req_id)
             for event_id in report.completed_store_events:
                 self._on_store_report(event_id, failed=False)
             for event_id in report.failed_store_events:
@@ -308,19 +316,22 @@ class OffloadScheduler:
         if event.num_reports < self.world_size:
             return
         del self._store_events[event_id]
+        cpu_pool, inflight = self.cpu_pool, self._inflight_store_keys
+        failed = event.failed
+        kv_events = self._kv_events if self.emit_kv_events else None
         for block, key in zip(event.cpu_blocks, event.keys, strict=True):
-            if self._inflight_store_keys.get(key) is block:
-                del self._inflight_store_keys[key]
-            if event.failed:
+            if inflight.get(key) is block:
+                del inflight[key]
+            if failed:
                 block.block_hash = None
-            elif self.cpu_pool.cache(block, key) and self.emit_kv_events:
-                self._kv_events.append(KVEvent("stored", key))
-        if event.failed:
+            elif cpu_pool.cache(block, key) and kv_events is not None:
+                kv_events.append(KVEvent("stored", key))
+        if failed:
             self.stats.num_failed_store_blocks += len(event.cpu_blocks)
-            self.cpu_pool.free(event.cpu_blocks, front=True)
+            cpu_pool.free(event.cpu_blocks, front=True)
         else:
             self.stats.num_stored_blocks += len(event.cpu_blocks)
-            self.cpu_pool.free(event.cpu_blocks)
+            cpu_pool.free(event.cpu_blocks)
         self.gpu_pool.free(event.gpu_block_ids, front=self.policy.gpu_copy_worthless_after_store)
         self.policy.on_store_complete(event)
 

@@ -3,7 +3,8 @@
 Order: the head is the least recently used block (evicted first), the tail the most recently freed.
 - `popleft()` takes the head (allocation), `remove(block)` unlinks from the middle (a touch on a cached
   block), `append(block)` puts a freed block at the tail, `appendleft(block)` at the head (blocks that
-  are worthless to keep, e.g. whose data failed to arrive).
+  are worthless to keep, e.g. whose data failed to arrive). `popleft_n`, `append_n` and `prepend_n` do the
+  same for a run of blocks with one relink at the ends (the per-step allocation and free paths).
 - Sentinel head and tail nodes mean no branch on empty/ends. No allocation after construction.
 - A block is in the queue iff its `prev`/`next` links are set; only this class touches those links.
 """
@@ -53,6 +54,34 @@ class FreeBlockQueue:
         self._unlink(block)
         return block
 
+    def popleft_n(self, n: int) -> list[Block]:
+        """The `n` blocks nearest the head, in queue order, unlinked."""
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"FreeBlockQueue.popleft_n({n}) with {self.num_free_blocks} free (caller must check)")
+        out = []
+        node = self._head.next
+        for _ in range(n):
+            out.append(node)
+            nxt = node.next
+            node.prev = node.next = None
+            node = nxt
+        self._head.next, node.prev = node, self._head
+        self.num_free_blocks -= n
+        return out
+
+    def append_n(self, blocks: list[Block]) -> None:
+        """Put `blocks` at the tail, in list order (the last listed ends up at the tail)."""
+        if blocks:
+            self._link_run(blocks, self._tail)
+
+    def prepend_n(self, blocks: list[Block]) -> None:
+        """Put `blocks` at the head, in list order (the first listed ends up nearest the head)."""
+        if blocks:
+            first = self._head.next
+            if first is None:
+                raise RuntimeError("FreeBlockQueue: broken head sentinel (our bug)")
+            self._link_run(blocks, first)
+
     def remove(self, block: Block) -> None:
         if block.prev is None or block.next is None:
             raise RuntimeError(f"FreeBlockQueue.remove: {block} is not in the free queue (our bug)")
@@ -85,6 +114,21 @@ class FreeBlockQueue:
         prev.next = block
         anchor.prev = block
         self.num_free_blocks += 1
+
+    def _link_run(self, blocks: list[Block], anchor: Block) -> None:
+        """Link `blocks`, in order, just before `anchor`."""
+        prev = anchor.prev
+        if prev is None:
+            raise RuntimeError("FreeBlockQueue: broken sentinel links (our bug)")
+        for block in blocks:
+            if block.prev is not None or block.next is not None:
+                prev.next, anchor.prev = anchor, prev  # keep the queue consistent before raising
+                raise RuntimeError(f"FreeBlockQueue: {block} is already in the free queue (our bug)")
+            block.prev = prev
+            prev.next = block
+            prev = block
+            self.num_free_blocks += 1
+        prev.next, anchor.prev = anchor, prev
 
     def _unlink(self, block: Block) -> None:
         prev, nxt = block.prev, block.next
