@@ -100,6 +100,8 @@ class LazyStorePolicy(StorePolicy):
         self._scanned: list[tuple[int, bytes | None]] = []  # the frontier this step's selection scanned
         self._frontier_of: dict[int, list[tuple[int, bytes | None]]] = {}  # store event -> its frontier
         self._held: dict[bytes, int] = {}  # key -> GPU block we hold for the next store event
+        self._last_event_id: int | None = None  # our most recent store event
+        self._p_inflight = 0.0  # how often a store event outlasted the next step's allocations (EMA)
 
     @property
     def lookahead(self) -> int:
@@ -107,7 +109,7 @@ class LazyStorePolicy(StorePolicy):
             return self._fixed
         if self.sched.max_blocks_per_step is not None:
             return self.sched.max_blocks_per_step
-        return max(16, int(2 * self._peak_alloc))
+        return max(16, int(1.5 * self._peak_alloc))
 
     def on_lookup(self, state: RequestState, num_gpu_hit_blocks: int) -> None:
         """The request's GPU-hit blocks are resident on the GPU: their CPU copies go first."""
@@ -125,7 +127,7 @@ class LazyStorePolicy(StorePolicy):
                 self.sched.cpu_pool.uncache(block)
 
     def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None:
-        self._step_alloc = max(self._step_alloc, len(state.gpu_block_ids) - state.num_store_checked_blocks)
+        self._step_alloc += max(0, len(state.gpu_block_ids) - state.num_store_checked_blocks)
         state.num_store_checked_blocks = len(state.gpu_block_ids)
 
     def select_stores(self) -> tuple[list[int], list[bytes]]:
@@ -135,16 +137,29 @@ class LazyStorePolicy(StorePolicy):
         keys = list(self._held)
         picked = set(keys)
         scanned: list[tuple[int, bytes | None]] = []
-        budget = self.lookahead
+        # A picked block leaves the free queue while its store is in flight. If that outlasts the next
+        # step's allocations, those allocations reach past it, so a pick must not count against the
+        # lookahead; if the store lands first, the block is back (saved) and it should. Weigh each pick by
+        # how often the last event was still in flight at the next step's metadata (`_p_inflight`).
+        event = self._last_event_id
+        if event is not None:
+            outstanding = event in self.sched._store_events
+            self._p_inflight = 0.8 * self._p_inflight + (0.2 if outstanding else 0.0)
+        pick_cost = 1.0 - self._p_inflight
+        budget = float(self.lookahead)
+        room = self.sched.cpu_pool.num_free_blocks - len(gpu_ids)
         for gpu_id, key in self.sched.gpu_pool.eviction_candidates():
             if budget <= 0:
                 break
-            budget -= 1
             scanned.append((gpu_id, key))
-            if key is not None and key not in picked and not self._is_saved(key):
+            if room > 0 and key is not None and key not in picked and not self._is_saved(key):
                 picked.add(key)
                 gpu_ids.append(gpu_id)
                 keys.append(key)
+                room -= 1
+                budget -= pick_cost
+            else:
+                budget -= 1
         self._scanned = scanned
         return gpu_ids, keys
 
@@ -155,6 +170,7 @@ class LazyStorePolicy(StorePolicy):
             self.sched.gpu_pool.free(list(self._held.values()))
             self._held = {}
         frontier, self._scanned = self._scanned, []
+        self._last_event_id = None if event is None else event.event_id
         if event is None:
             return
         stored = set(event.gpu_block_ids)
