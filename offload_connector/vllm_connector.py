@@ -125,7 +125,7 @@ class OffloadConnector(KVConnectorBase_V1):
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        gpu_block_ids = blocks.get_block_ids()[0] if blocks.blocks else []
+        gpu_block_ids = [block.block_id for block in blocks.blocks[0]] if blocks.blocks else []
         self._sched().update_state_after_alloc(request, gpu_block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -140,13 +140,12 @@ class OffloadConnector(KVConnectorBase_V1):
         cached = scheduler_output.scheduled_cached_reqs
         bs = self.shape.block_size
         resumed_ids = cached.resumed_req_ids
-        num_scheduled_of = num_scheduled.get
         for req_id, new_ids, before in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
                                            strict=True):
-            after = before + num_scheduled_of(req_id, 0)
-            if after // bs == before // bs and not (new_ids and new_ids[0]) and req_id not in resumed_ids:
+            n = num_scheduled[req_id]
+            if before % bs + n < bs and not (new_ids and new_ids[0]) and req_id not in resumed_ids:
                 continue  # the common decode step: no new block, none completed; nothing to tell
-            steps.append(StepRequest(req_id, new_ids[0] if new_ids else [], after, req_id in resumed_ids))
+            steps.append(StepRequest(req_id, new_ids[0] if new_ids else [], before + n, req_id in resumed_ids))
         return OffloadConnectorMetadata(sched.build_connector_meta(steps))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

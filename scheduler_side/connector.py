@@ -109,9 +109,10 @@ class OffloadScheduler:
         last = min(len(hashes), (request.num_tokens - 1) // bs)  # keep >= 1 token to compute
         self.stats.num_lookup_tokens += max(0, request.num_tokens - num_computed_tokens)
         hits: list[Block] = []
+        cached, group = self.cpu_pool.cached, self.group_id
         for i in range(first, last):
-            key = with_group_id(hashes[i], self.group_id)
-            block = self.cpu_pool.lookup(key)
+            key = with_group_id(hashes[i], group)
+            block = cached.get(key)
             if block is None:
                 if key in self._inflight_store_keys:
                     return None, False  # its store completes soon: ask again next step
@@ -200,16 +201,17 @@ class OffloadScheduler:
                 self.stats.num_loaded_blocks += job.num_blocks
             self._loads_to_send.clear()
 
-        for step in scheduled:
-            state = self._requests.get(step.request_id)
+        requests, on_scheduled = self._requests, self.policy.on_scheduled
+        for req_id, new_gpu_block_ids, num_computed_tokens, replace_blocks in scheduled:
+            state = requests.get(req_id)
             if state is None:
                 continue  # the engine schedules requests the connector never saw (e.g. no lookup)
-            if step.replace_blocks:
-                state.gpu_block_ids = list(step.new_gpu_block_ids)
+            if replace_blocks:
+                state.gpu_block_ids = list(new_gpu_block_ids)
             else:
-                state.gpu_block_ids.extend(step.new_gpu_block_ids)
-            state.num_computed_tokens = step.num_computed_tokens
-            self.policy.on_scheduled(state, step.num_computed_tokens)
+                state.gpu_block_ids.extend(new_gpu_block_ids)
+            state.num_computed_tokens = num_computed_tokens
+            on_scheduled(state, num_computed_tokens)
 
         gpu_ids, keys = self.policy.select_stores()
         event = self._emit_store(meta, gpu_ids, keys) if gpu_ids else None
