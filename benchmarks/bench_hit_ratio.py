@@ -1,0 +1,291 @@
+"""Hit ratio vs CPU size: `offload-connector replay` (eager and lazy) against LRU references (issue 6 §4).
+
+Replays the bundled Mooncake synthetic trace (`--scaled`, one trace block = one engine block) through the
+fake engine with the connector, the same `run_replay` the `offload-connector replay` command calls, with a
+fixed GPU pool (`--gpu-blocks`, default 2,196 = 5% of the trace's 43,924 distinct blocks) and a range of
+CPU sizes, for both store policies. Combined hit ratio = (gpu_hit_tokens + cpu_hit_tokens) / prompt_tokens.
+A replay with integrity errors or leaked blocks fails the benchmark.
+
+References (traces README: blocks hit / blocks requested, one request at a time, a request hits its longest
+prefix of cached hash ids, LRU evicting tail blocks first), from a block-level simulation of the trace:
+- inclusive: every block written through to the CPU; GPU + CPU behave like one LRU of max(GPU, CPU) blocks;
+- exclusive: GPU evictions moved to the CPU; one LRU of GPU + CPU blocks.
+The simulator must reproduce the README's table (LRU 2,196 -> 15.7%, 4,392 -> 26.2%, 6,588 -> 33.5%) or the
+script stops. The `*_last` variants never count a request's last block as a hit, as the engine must
+compute at least one prompt token (scaled prompts end on a block boundary).
+
+One extra point per policy runs one request at a time (`engine.max_num_seqs: 1`) at `--one-at-a-time-cpu`.
+
+    nice python benchmarks/bench_hit_ratio.py [--json] [--plot docs/hit_ratio_vs_cpu.png] [--jobs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from offload_connector.config import default_config_dict, merge_configs  # noqa: E402
+from offload_connector.trace import bundled_trace_path, read_trace  # noqa: E402
+
+DEFAULT_GPU_BLOCKS = 2196
+DEFAULT_CPU_SIZES = (2, 1098, 2196, 4392, 8784, 17568)  # 2 = the smallest CPU tier allowed (block 0 is null)
+POLICIES = ("eager", "lazy")
+# traces README: (cache blocks, hit ratio); the simulator must match each to +-0.3 points.
+README_REFERENCES = ((2196, 0.157), (4392, 0.262), (2196 + 4392, 0.335))
+README_TOLERANCE = 0.003
+
+
+class BenchmarkError(RuntimeError):
+    """A replay was not clean, or the reference simulator disagrees with the traces README."""
+
+
+# --- references: one-request-at-a-time block-level LRU ---
+
+def lru_hit_ratio(requests: list[list[int]], num_blocks: int, last_block_hits: bool = True) -> float:
+    """Blocks hit / blocks requested for one LRU cache of `num_blocks` blocks, one request at a time.
+
+    A request hits its longest prefix of cached hash ids (only the first len - 1 blocks may hit when
+    `last_block_hits` is False). Afterwards all its blocks become the most recently used, its head the most
+    recent and its tail the least recent among them, so eviction takes tail blocks first.
+    """
+    cache: OrderedDict[int, None] = OrderedDict()  # least recently used first
+    hits = total = 0
+    for hash_ids in requests:
+        total += len(hash_ids)
+        limit = len(hash_ids) if last_block_hits else len(hash_ids) - 1
+        n = 0
+        while n < limit and hash_ids[n] in cache:
+            n += 1
+        hits += n
+        if num_blocks <= 0:
+            continue
+        for h in reversed(hash_ids):  # tail first: the head ends most recently used
+            if h in cache:
+                cache.move_to_end(h)
+            else:
+                cache[h] = None
+                if len(cache) > num_blocks:
+                    cache.popitem(last=False)
+    return hits / total if total else 0.0
+
+
+def check_readme_references(requests: list[list[int]]) -> dict[int, float]:
+    got = {size: lru_hit_ratio(requests, size) for size, _ in README_REFERENCES}
+    bad = [(size, want, got[size]) for size, want in README_REFERENCES
+           if abs(got[size] - want) > README_TOLERANCE]
+    if bad:
+        raise BenchmarkError("reference LRU simulator disagrees with the traces README: " + "; ".join(
+            f"LRU {size} blocks: got {g:.1%}, README {w:.1%}" for size, w, g in bad))
+    return got
+
+
+def references(requests: list[list[int]], gpu_blocks: int, cpu_blocks: int) -> dict[str, float]:
+    inclusive, exclusive = max(gpu_blocks, cpu_blocks), gpu_blocks + cpu_blocks
+    return {
+        "inclusive": lru_hit_ratio(requests, inclusive),
+        "exclusive": lru_hit_ratio(requests, exclusive),
+        "inclusive_last": lru_hit_ratio(requests, inclusive, last_block_hits=False),
+        "exclusive_last": lru_hit_ratio(requests, exclusive, last_block_hits=False),
+    }
+
+
+# --- replays ---
+
+def _replay_point(point: dict[str, Any]) -> dict[str, Any]:
+    """One `offload-connector replay --scaled --json` run (in a worker process)."""
+    import torch
+
+    torch.set_num_threads(1)  # two workers on two shared cores
+    from offload_connector.replay import replay_config, run_replay
+
+    config = replay_config(point.get("config"), gpu_blocks=point["gpu_blocks"],
+                           cpu_blocks=point["cpu_blocks"], store_policy=point["policy"])
+    trace = str(bundled_trace_path())
+    result = run_replay(config, read_trace(trace), scaled=True, trace_name=trace)
+    d = result.to_dict()
+    prompt = d["prompt_tokens"]
+    return {
+        "label": point["label"],
+        "policy": point["policy"],
+        "gpu_blocks": d["gpu_blocks"],
+        "cpu_blocks": d["cpu_blocks"],
+        "max_num_seqs": config.engine.max_num_seqs,
+        "hit_ratio": (d["gpu_hit_tokens"] + d["cpu_hit_tokens"]) / prompt,
+        "gpu_hit_ratio": d["gpu_hit_tokens"] / prompt,
+        "cpu_hit_ratio": d["cpu_hit_tokens"] / prompt,
+        "prompt_tokens": prompt,
+        "integrity_errors": d["integrity_errors"],
+        "leaked_blocks": d["leaked_blocks"],
+        "finished_requests": d["finished_requests"],
+        "rejected_requests": d["rejected_requests"],
+        "num_preemptions": d["num_preemptions"],
+        "steps": d["steps"],
+        "error": d["error"],
+        "wall_seconds": d["wall_seconds"],
+    }
+
+
+def run_points(points: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
+    # Slowest first (small CPU tiers compute more; one-at-a-time runs take many steps) to pack two workers.
+    order = sorted(points, key=lambda p: (p.get("config") is None, p["cpu_blocks"]))
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(_replay_point, order))
+    bad = [r for r in results if r["integrity_errors"] or r["leaked_blocks"] or r["error"]]
+    if bad:
+        raise BenchmarkError("replay not clean: " + "; ".join(
+            f"{r['label']}: {r['integrity_errors']} integrity errors, {r['leaked_blocks']} leaked blocks, "
+            f"error {r['error']!r}" for r in bad))
+    return results
+
+
+def one_at_a_time_config(directory: str) -> str:
+    """default.yaml with `engine.max_num_seqs: 1`, written as a YAML file (what `--config` would read)."""
+    import yaml
+
+    path = os.path.join(directory, "one_at_a_time.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(merge_configs(default_config_dict(), {"engine": {"max_num_seqs": 1}}), f)
+    return path
+
+
+# --- output ---
+
+def format_table(out: dict[str, Any]) -> str:
+    distinct = out["distinct_blocks"]
+    lines = [f"hit ratio vs CPU size: bundled Mooncake trace (scaled), GPU {out['gpu_blocks']} blocks "
+             f"({out['gpu_blocks'] / distinct:.0%} of {distinct:,} distinct); combined = GPU + CPU hits",
+             f"{'CPU blocks':>10} {'%dist':>6} | {'eager':>6} {'(gpu+cpu)':>13} | {'lazy':>6} {'(gpu+cpu)':>13} | "
+             f"{'incl':>6} {'excl':>6} | {'incl*':>6} {'excl*':>6}"]
+    by = {(r["policy"], r["cpu_blocks"]): r for r in out["replays"]}
+    for row in out["references"]:
+        cpu = row["cpu_blocks"]
+        cells = []
+        for policy in POLICIES:
+            r = by.get((policy, cpu))
+            cells.append(f"{r['hit_ratio']:6.1%} ({r['gpu_hit_ratio']:5.1%}+{r['cpu_hit_ratio']:5.1%})"
+                         if r else f"{'-':>6} {'':>13}")
+        lines.append(f"{cpu:>10} {cpu / distinct:6.1%} | {cells[0]} | {cells[1]} | {row['inclusive']:6.1%} "
+                     f"{row['exclusive']:6.1%} | {row['inclusive_last']:6.1%} {row['exclusive_last']:6.1%}")
+    for r in out["one_at_a_time"]:
+        lines.append(f"one request at a time (max_num_seqs 1), {r['policy']:5}, CPU {r['cpu_blocks']}: "
+                     f"{r['hit_ratio']:.1%} ({r['gpu_hit_ratio']:.1%} GPU + {r['cpu_hit_ratio']:.1%} CPU)")
+    lines.append("incl/excl: LRU references (README); incl*/excl*: same, a request's last block never hits")
+    lines.append(f"all replays clean (0 integrity errors, 0 leaked blocks); {out['wall_seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+def write_plot(out: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    distinct, gpu = out["distinct_blocks"], out["gpu_blocks"]
+    fig, ax = plt.subplots(figsize=(9, 5.2))
+    curve = out["reference_curve"]
+    xs = [c["cpu_blocks"] for c in curve]
+    ax.plot(xs, [c["exclusive"] for c in curve], color="#55a868", lw=1.8,
+            label="exclusive reference (LRU of GPU + CPU)")
+    ax.plot(xs, [c["inclusive"] for c in curve], color="#8172b2", lw=1.8,
+            label="inclusive reference (LRU of max(GPU, CPU))")
+    ax.plot(xs, [c["exclusive_last"] for c in curve], color="#55a868", lw=1, ls=":",
+            label="references, last block never hits")
+    ax.plot(xs, [c["inclusive_last"] for c in curve], color="#8172b2", lw=1, ls=":")
+    styles = {"eager": ("#4c72b0", "o"), "lazy": ("#dd8452", "s")}
+    for policy in POLICIES:
+        rows = sorted((r for r in out["replays"] if r["policy"] == policy), key=lambda r: r["cpu_blocks"])
+        color, marker = styles[policy]
+        ax.plot([r["cpu_blocks"] for r in rows], [r["hit_ratio"] for r in rows], color=color, marker=marker,
+                lw=2, label=f"replay, {policy} stores (64 requests at once)")
+    for r in out["one_at_a_time"]:
+        color, marker = styles[r["policy"]]
+        ax.plot([r["cpu_blocks"]], [r["hit_ratio"]], color=color, marker=marker, ms=10, mfc="none", mew=2,
+                ls="none", label=f"replay, {r['policy']}, one request at a time")
+    ax.axhline(out["infinite_cache_hit_ratio"], color="grey", lw=1, ls="--",
+               label=f"infinite cache ({out['infinite_cache_hit_ratio']:.1%})")
+    ax.set_xlim(0, max(xs) * 1.02)
+    ax.set_ylim(0, 0.7)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.set_xlabel("CPU tier (blocks)")
+    ax.set_ylabel("hit ratio (GPU + CPU hits / prompt)")
+    ax.grid(alpha=0.3)
+    top = ax.secondary_xaxis("top", functions=(lambda x: 100 * x / distinct, lambda p: p * distinct / 100))
+    top.set_xlabel(f"CPU tier (% of the trace's {distinct:,} distinct blocks)")
+    ax.set_title(f"Hit ratio vs CPU size, GPU {gpu:,} blocks ({gpu / distinct:.0%} of distinct), "
+                 "bundled Mooncake trace (scaled)", fontsize=10.5)
+    ax.legend(loc="lower right", fontsize=8.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpu-blocks", type=int, default=DEFAULT_GPU_BLOCKS)
+    parser.add_argument("--cpu-sizes", type=lambda s: [int(x) for x in s.split(",")],
+                        default=list(DEFAULT_CPU_SIZES), help="comma-separated CPU sizes in blocks (>= 2)")
+    parser.add_argument("--one-at-a-time-cpu", type=int, default=4392,
+                        help="CPU size of the max_num_seqs=1 point (0: skip it)")
+    parser.add_argument("--jobs", type=int, default=2, choices=[1, 2], help="parallel replays (at most 2)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--plot", nargs="?", const=str(ROOT / "docs" / "hit_ratio_vs_cpu.png"), metavar="FILE",
+                        help="write the PNG (default file: docs/hit_ratio_vs_cpu.png)")
+    args = parser.parse_args()
+    if any(c < 2 for c in args.cpu_sizes):
+        parser.error(f"--cpu-sizes: got {args.cpu_sizes}; allowed: ints >= 2")
+
+    start = time.perf_counter()
+    requests = [r.hash_ids for r in read_trace(str(bundled_trace_path()))]
+    readme = check_readme_references(requests)
+    distinct = len({h for ids in requests for h in ids})
+    gpu = args.gpu_blocks
+    grid = sorted(set(args.cpu_sizes) | set(range(0, max(args.cpu_sizes) + 1, max(1, max(args.cpu_sizes) // 64))))
+    curve = [{"cpu_blocks": c, **references(requests, gpu, c)} for c in grid]
+    with tempfile.TemporaryDirectory() as tmp:
+        points = [{"label": f"{p} cpu={c}", "policy": p, "gpu_blocks": gpu, "cpu_blocks": c}
+                  for p in POLICIES for c in args.cpu_sizes]
+        if args.one_at_a_time_cpu:
+            cfg = one_at_a_time_config(tmp)
+            points += [{"label": f"{p} cpu={args.one_at_a_time_cpu} max_num_seqs=1", "policy": p,
+                        "gpu_blocks": gpu, "cpu_blocks": args.one_at_a_time_cpu, "config": cfg}
+                       for p in POLICIES]
+        results = run_points(points, args.jobs)
+    out: dict[str, Any] = {
+        "trace": str(bundled_trace_path()),
+        "scaled": True,
+        "gpu_blocks": gpu,
+        "distinct_blocks": distinct,
+        "blocks_requested": sum(len(r) for r in requests),
+        "infinite_cache_hit_ratio": lru_hit_ratio(requests, distinct),
+        "readme_check": {str(k): v for k, v in readme.items()},
+        "replays": sorted((r for r in results if r["max_num_seqs"] != 1),
+                          key=lambda r: (r["policy"], r["cpu_blocks"])),
+        "one_at_a_time": [r for r in results if r["max_num_seqs"] == 1],
+        "references": [{"cpu_blocks": c, **references(requests, gpu, c)} for c in args.cpu_sizes],
+        "reference_curve": curve,
+        "wall_seconds": time.perf_counter() - start,
+    }
+    if args.plot:
+        write_plot(out, args.plot)
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+    else:
+        print(format_table(out))
+        if args.plot:
+            print(f"plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
