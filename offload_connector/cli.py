@@ -15,7 +15,10 @@ from collections.abc import Sequence
 from offload_connector.config import ConfigError
 from offload_connector.trace import TraceError, bundled_trace_path, read_trace
 
-DEFAULT_LIMIT = 80
+# With no --trace: the bundled trace, scaled, on a GPU pool of 5% and a CPU tier of 10% of its 43,924
+# distinct blocks (the sizes of the references in the trace's README) unless --config or flags set sizes.
+BUNDLED_GPU_BLOCKS = 2196
+BUNDLED_CPU_BLOCKS = 4392
 
 
 def _positive(text: str) -> int:
@@ -34,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser(
         "replay", help="replay a Mooncake trace through the fake engine with the connector",
         description="Replay a Mooncake-format trace through the fake engine with the connector. With no "
-                    f"arguments: the embedded default config, the first {DEFAULT_LIMIT} requests of the "
-                    "bundled trace.")
+                    "arguments: the embedded default config on the bundled Mooncake trace, scaled (one trace "
+                    f"block = one engine block), {BUNDLED_GPU_BLOCKS} GPU and {BUNDLED_CPU_BLOCKS} CPU "
+                    "blocks (5%% and 10%% of its distinct blocks).")
     rp.add_argument("--config", metavar="FILE", help="YAML config (default: the embedded default.yaml)")
     rp.add_argument("--trace", metavar="FILE",
                     help="Mooncake-format JSONL trace (default: the bundled Mooncake synthetic trace)")
@@ -44,11 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--store-policy", choices=["eager", "lazy"], help="override store_policy")
     rp.add_argument("--scaled", action="store_true",
                     help="one trace block = one engine block (block_size tokens per hash id, outputs scaled "
-                         "alike): full traces replay in minutes")
-    rp.add_argument("--limit", type=_positive, metavar="N",
-                    help=f"replay only the first N requests (default: all with --trace or --scaled, "
-                         f"else {DEFAULT_LIMIT})")
-    rp.add_argument("--all", action="store_true", help="replay every request (no default limit)")
+                         "alike): full traces replay in minutes (always on for the bundled trace unless "
+                         "--full-size)")
+    rp.add_argument("--full-size", action="store_true",
+                    help="bundled trace only: 512 tokens per hash id as recorded (slow: use --limit)")
+    rp.add_argument("--limit", type=_positive, metavar="N", help="replay only the first N requests")
     rp.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     rp.add_argument("--plot", metavar="FILE", help="write a PNG of the hit ratio over time (needs matplotlib)")
     rp.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
@@ -65,16 +69,19 @@ def _replay(args: argparse.Namespace) -> int:
         except ImportError:
             print("error: --plot needs matplotlib: pip install 'offload-connector[plot]'", file=sys.stderr)
             return 2
-    config = replay_config(args.config, gpu_blocks=args.gpu_blocks, cpu_blocks=args.cpu_blocks,
+    bundled = args.trace is None
+    gpu_blocks, cpu_blocks = args.gpu_blocks, args.cpu_blocks
+    scaled = args.scaled or (bundled and not args.full_size)
+    if bundled and scaled and args.config is None:
+        gpu_blocks = gpu_blocks or BUNDLED_GPU_BLOCKS
+        cpu_blocks = cpu_blocks or BUNDLED_CPU_BLOCKS
+    config = replay_config(args.config, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
                            store_policy=args.store_policy)
     trace = args.trace or str(bundled_trace_path())
-    limit = args.limit
-    if limit is None and not (args.all or args.trace or args.scaled):
-        limit = DEFAULT_LIMIT
-    requests = read_trace(trace, limit=limit)
+    requests = read_trace(trace, limit=args.limit)
     bar = None if args.quiet else ProgressBar()
     try:
-        result = run_replay(config, requests, scaled=args.scaled, trace_name=trace, progress=bar)
+        result = run_replay(config, requests, scaled=scaled, trace_name=trace, progress=bar)
     finally:
         if bar is not None:
             bar.close()

@@ -37,7 +37,7 @@ def test_scaled_replay_json_has_the_contract_keys_and_cpu_hits(capsys: pytest.Ca
 
 
 def test_unscaled_replay_of_a_few_requests(capsys: pytest.CaptureFixture[str]) -> None:
-    out = run_json(capsys, "--limit", "3")
+    out = run_json(capsys, "--full-size", "--limit", "3")
     assert out["requests"] == 3 and out["scaled"] is False
     first = read_trace(bundled_trace_path(), limit=3)
     assert out["prompt_tokens"] == sum(r.input_length for r in first)
@@ -90,9 +90,11 @@ def test_run_replay_reports_the_error_instead_of_raising() -> None:
     assert result.error is None and result.to_dict()["integrity_errors"] == 0
 
 
-@pytest.mark.soak
 def test_default_replay_shows_cpu_hits(capsys: pytest.CaptureFixture[str]) -> None:
-    """The no-argument run (about a minute): the GPU pool is below the working set, the CPU tier hits."""
+    """The no-argument run: the bundled trace, scaled, GPU 5% / CPU 10% of its distinct blocks."""
     assert main(["replay", "--json", "--quiet"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["cpu_hit_tokens"] > 0 and out["integrity_errors"] == 0 and out["leaked_blocks"] == 0
+    assert out["requests"] == 3993 and out["scaled"] is True
+    assert (out["gpu_blocks"], out["cpu_blocks"]) == (2196, 4392)
+    assert out["cpu_hit_tokens"] > 0.05 * out["prompt_tokens"]  # the CPU tier visibly matters
+    assert out["integrity_errors"] == 0 and out["leaked_blocks"] == 0
