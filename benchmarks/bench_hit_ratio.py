@@ -16,7 +16,7 @@ compute at least one prompt token (scaled prompts end on a block boundary).
 
 One extra point per policy runs one request at a time (`engine.max_num_seqs: 1`) at `--one-at-a-time-cpu`.
 
-    nice python benchmarks/bench_hit_ratio.py [--json] [--plot docs/hit_ratio_vs_cpu.png] [--jobs 2]
+    nice python benchmarks/bench_hit_ratio.py [--json] [--plot [FILE]] [--jobs 2] [--from-json FILE]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from offload_connector.config import default_config_dict, merge_configs  # noqa:
 from offload_connector.trace import bundled_trace_path, read_trace  # noqa: E402
 
 DEFAULT_GPU_BLOCKS = 2196
-DEFAULT_CPU_SIZES = (2, 1098, 2196, 4392, 8784, 17568)  # 2 = the smallest CPU tier allowed (block 0 is null)
+DEFAULT_CPU_SIZES = (2, 1098, 2196, 4392, 6588, 8784, 13176, 17568, 35136)  # 2: the smallest allowed (block 0 is null)
 POLICIES = ("eager", "lazy")
 # traces README: (cache blocks, hit ratio); the simulator must match each to +-0.3 points.
 README_REFERENCES = ((2196, 0.157), (4392, 0.262), (2196 + 4392, 0.335))
@@ -90,14 +90,38 @@ def check_readme_references(requests: list[list[int]]) -> dict[int, float]:
     return got
 
 
-def references(requests: list[list[int]], gpu_blocks: int, cpu_blocks: int) -> dict[str, float]:
-    inclusive, exclusive = max(gpu_blocks, cpu_blocks), gpu_blocks + cpu_blocks
-    return {
-        "inclusive": lru_hit_ratio(requests, inclusive),
-        "exclusive": lru_hit_ratio(requests, exclusive),
-        "inclusive_last": lru_hit_ratio(requests, inclusive, last_block_hits=False),
-        "exclusive_last": lru_hit_ratio(requests, exclusive, last_block_hits=False),
-    }
+class References:
+    """Reference hit ratios for a GPU size and any CPU size (each LRU size simulated once)."""
+
+    def __init__(self, requests: list[list[int]], gpu_blocks: int) -> None:
+        self.requests = requests
+        self.gpu_blocks = gpu_blocks
+        self._memo: dict[tuple[int, bool], float] = {}
+
+    def lru(self, num_blocks: int, last_block_hits: bool = True) -> float:
+        key = (num_blocks, last_block_hits)
+        if key not in self._memo:
+            self._memo[key] = lru_hit_ratio(self.requests, num_blocks, last_block_hits)
+        return self._memo[key]
+
+    def at(self, cpu_blocks: int, with_last: bool = True) -> dict[str, float]:
+        inclusive, exclusive = max(self.gpu_blocks, cpu_blocks), self.gpu_blocks + cpu_blocks
+        out = {"cpu_blocks": cpu_blocks, "inclusive": self.lru(inclusive), "exclusive": self.lru(exclusive)}
+        if with_last:
+            out["inclusive_last"] = self.lru(inclusive, last_block_hits=False)
+            out["exclusive_last"] = self.lru(exclusive, last_block_hits=False)
+        return out
+
+
+def reference_grid(cpu_sizes: list[int], gpu_blocks: int) -> list[int]:
+    """CPU sizes for the smooth reference curves: linear up to half the GPU, then 8 per doubling."""
+    lin = max(1, gpu_blocks // 2)
+    grid = set(cpu_sizes) | set(range(0, lin, max(1, lin // 8)))
+    size = float(lin)
+    while size <= max(cpu_sizes):
+        grid.add(round(size))
+        size *= 2 ** (1 / 8)
+    return sorted(grid)
 
 
 # --- replays ---
@@ -199,32 +223,33 @@ def write_plot(out: dict[str, Any], path: str) -> None:
             label="exclusive reference (LRU of GPU + CPU)")
     ax.plot(xs, [c["inclusive"] for c in curve], color="#8172b2", lw=1.8,
             label="inclusive reference (LRU of max(GPU, CPU))")
-    ax.plot(xs, [c["exclusive_last"] for c in curve], color="#55a868", lw=1, ls=":",
-            label="references, last block never hits")
-    ax.plot(xs, [c["inclusive_last"] for c in curve], color="#8172b2", lw=1, ls=":")
     styles = {"eager": ("#4c72b0", "o"), "lazy": ("#dd8452", "s")}
     for policy in POLICIES:
         rows = sorted((r for r in out["replays"] if r["policy"] == policy), key=lambda r: r["cpu_blocks"])
         color, marker = styles[policy]
         ax.plot([r["cpu_blocks"] for r in rows], [r["hit_ratio"] for r in rows], color=color, marker=marker,
-                lw=2, label=f"replay, {policy} stores (64 requests at once)")
+                lw=2, label=f"replay, {policy} stores (up to {rows[0]['max_num_seqs']} requests at once)")
     for r in out["one_at_a_time"]:
         color, marker = styles[r["policy"]]
         ax.plot([r["cpu_blocks"]], [r["hit_ratio"]], color=color, marker=marker, ms=10, mfc="none", mew=2,
                 ls="none", label=f"replay, {r['policy']}, one request at a time")
     ax.axhline(out["infinite_cache_hit_ratio"], color="grey", lw=1, ls="--",
                label=f"infinite cache ({out['infinite_cache_hit_ratio']:.1%})")
-    ax.set_xlim(0, max(xs) * 1.02)
+    # Linear below half the GPU size (the smallest CPU tier sits at the left edge), log2 above.
+    ax.set_xscale("symlog", base=2, linthresh=max(1, gpu // 2), linscale=0.7)
+    ax.set_xlim(0, max(xs) * 1.05)
+    ticks = sorted({r["cpu_blocks"] for r in out["replays"]})
+    ax.set_xticks(ticks, [f"{t:,}\n{f'{100 * t / distinct:.3g}%' if t >= distinct / 1000 else '~0%'}"
+                          for t in ticks], fontsize=8)
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.set_ylim(0, 0.7)
     ax.yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
-    ax.set_xlabel("CPU tier (blocks)")
+    ax.set_xlabel(f"CPU tier: blocks and % of the trace's {distinct:,} distinct blocks (log scale)")
     ax.set_ylabel("hit ratio (GPU + CPU hits / prompt)")
     ax.grid(alpha=0.3)
-    top = ax.secondary_xaxis("top", functions=(lambda x: 100 * x / distinct, lambda p: p * distinct / 100))
-    top.set_xlabel(f"CPU tier (% of the trace's {distinct:,} distinct blocks)")
     ax.set_title(f"Hit ratio vs CPU size, GPU {gpu:,} blocks ({gpu / distinct:.0%} of distinct), "
                  "bundled Mooncake trace (scaled)", fontsize=10.5)
-    ax.legend(loc="lower right", fontsize=8.5)
+    ax.legend(loc="upper left", fontsize=8.5)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -241,7 +266,14 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--plot", nargs="?", const=str(ROOT / "docs" / "hit_ratio_vs_cpu.png"), metavar="FILE",
                         help="write the PNG (default file: docs/hit_ratio_vs_cpu.png)")
+    parser.add_argument("--from-json", metavar="FILE", help="reuse the --json output of an earlier run (no replays)")
     args = parser.parse_args()
+    if args.from_json:
+        out = json.loads(Path(args.from_json).read_text())
+        if args.plot:
+            write_plot(out, args.plot)
+        print(json.dumps(out, sort_keys=True) if args.json else format_table(out))
+        return 0
     if any(c < 2 for c in args.cpu_sizes):
         parser.error(f"--cpu-sizes: got {args.cpu_sizes}; allowed: ints >= 2")
 
@@ -250,8 +282,8 @@ def main() -> int:
     readme = check_readme_references(requests)
     distinct = len({h for ids in requests for h in ids})
     gpu = args.gpu_blocks
-    grid = sorted(set(args.cpu_sizes) | set(range(0, max(args.cpu_sizes) + 1, max(1, max(args.cpu_sizes) // 64))))
-    curve = [{"cpu_blocks": c, **references(requests, gpu, c)} for c in grid]
+    refs = References(requests, gpu)
+    curve = [refs.at(c, with_last=False) for c in reference_grid(args.cpu_sizes, gpu)]
     with tempfile.TemporaryDirectory() as tmp:
         points = [{"label": f"{p} cpu={c}", "policy": p, "gpu_blocks": gpu, "cpu_blocks": c}
                   for p in POLICIES for c in args.cpu_sizes]
@@ -272,7 +304,7 @@ def main() -> int:
         "replays": sorted((r for r in results if r["max_num_seqs"] != 1),
                           key=lambda r: (r["policy"], r["cpu_blocks"])),
         "one_at_a_time": [r for r in results if r["max_num_seqs"] == 1],
-        "references": [{"cpu_blocks": c, **references(requests, gpu, c)} for c in args.cpu_sizes],
+        "references": [refs.at(c) for c in args.cpu_sizes],
         "reference_curve": curve,
         "wall_seconds": time.perf_counter() - start,
     }
