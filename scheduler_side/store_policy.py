@@ -61,26 +61,29 @@ class StorePolicy:
 class EagerStorePolicy(StorePolicy):
     def __init__(self, sched: OffloadScheduler) -> None:
         super().__init__(sched)
+        self._block_size = sched.block_size
         self._gpu_ids: list[int] = []
         self._keys: list[bytes] = []
         self._picked: set[bytes] = set()
 
     def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None:
-        end = num_computed_tokens // self.sched.block_size
-        if end <= state.num_store_checked_blocks:
+        start = state.num_store_checked_blocks
+        end = num_computed_tokens // self._block_size
+        if end <= start:
             return  # the common decode step: no block completed
-        hashes = state.request.block_hashes
-        end = min(end, len(hashes), len(state.gpu_block_ids))
+        hashes, gpu_block_ids = state.request.block_hashes, state.gpu_block_ids
+        end = min(end, len(hashes), len(gpu_block_ids))
         group = self.sched.group_id
-        for i in range(state.num_store_checked_blocks, end):
+        picked, cached, inflight = self._picked, self.sched.cpu_pool.cached, self.sched._inflight_store_keys
+        for i in range(start, end):
             key = with_group_id(hashes[i], group)
-            gpu_id = state.gpu_block_ids[i]
-            if gpu_id == 0 or key in self._picked or self._is_saved(key):
-                continue
-            self._picked.add(key)
+            gpu_id = gpu_block_ids[i]
+            if gpu_id == 0 or key in picked or key in cached or key in inflight:
+                continue  # the null block, or already picked, on the CPU or being stored
+            picked.add(key)
             self._gpu_ids.append(gpu_id)
             self._keys.append(key)
-        state.num_store_checked_blocks = max(state.num_store_checked_blocks, end)
+        state.num_store_checked_blocks = max(start, end)
 
     def select_stores(self) -> tuple[list[int], list[bytes]]:
         out = self._gpu_ids, self._keys
