@@ -162,9 +162,9 @@ class OursWorker(FakeWorker):
             self.pending_stores.append((step, meta.store_event))
             self.transfers.stored_blocks += len(meta.store_cpu_blocks)
         recving, stores = self._due(step, flush=False)
-        # The real rank's report also lists its finished loads (the adapter reads those from finished_recving);
-        # an empty report is not sent (build_connector_worker_meta returns None).
-        report = WorkerReport(finished_load_reqs=sorted(recving), completed_store_events=stores)
+        # As the real rank (build_connector_worker_meta): finished loads travel only in finished_recving, the
+        # report carries the stores; an empty report is not sent.
+        report = WorkerReport(completed_store_events=stores)
         worker_meta = None if report.is_empty else OffloadWorkerMetadata(reports=[encode(report)])
         return KVConnectorOutput(finished_recving=recving or None, kv_connector_worker_meta=worker_meta)
 
