@@ -176,6 +176,20 @@ def default_config_dict() -> dict[str, Any]:
     return yaml.safe_load(text) or {}
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The raw mapping in a YAML config file (unvalidated: callers merge overrides, then `load_config`)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("config_file", str(path), "a path to an existing YAML file")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError("config_file", str(path), "a valid YAML mapping", str(exc)) from exc
+    if not isinstance(data, dict):
+        raise ConfigError("<root>", data, "a mapping of config keys")
+    return data
+
+
 def load_config(path_or_dict: str | Path | Mapping[str, Any] | None = None) -> OffloadConfig:
     """Load and validate a config from a YAML path, a mapping, or None (embedded default).
 
@@ -186,13 +200,7 @@ def load_config(path_or_dict: str | Path | Mapping[str, Any] | None = None) -> O
     elif isinstance(path_or_dict, Mapping):
         data = dict(path_or_dict)
     else:
-        path = Path(path_or_dict)
-        if not path.is_file():
-            raise ConfigError("config_file", str(path_or_dict), "a path to an existing YAML file")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError("config_file", str(path_or_dict), "a valid YAML mapping", str(exc)) from exc
+        data = read_config_file(path_or_dict)
     if not isinstance(data, Mapping):
         raise ConfigError("<root>", data, "a mapping of config keys")
     try:

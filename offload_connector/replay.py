@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from offload_connector.config import (
-    ConfigError,
     OffloadConfig,
     default_config_dict,
     load_config,
     merge_configs,
+    read_config_file,
 )
 from offload_connector.fake_engine import FakeEngine, IntegrityError
 from offload_connector.fake_engine.stats import EngineStats
@@ -65,7 +65,7 @@ def replay_config(config: str | Path | Mapping[str, Any] | None = None, *, gpu_b
     elif isinstance(config, Mapping):
         data = dict(config)
     else:
-        data = _read_yaml(config)
+        data = read_config_file(config)
     override: dict[str, Any] = {}
     if gpu_blocks is not None:
         override["engine"] = {"num_gpu_blocks": gpu_blocks}
@@ -74,21 +74,6 @@ def replay_config(config: str | Path | Mapping[str, Any] | None = None, *, gpu_b
     if store_policy is not None:
         override["store_policy"] = store_policy
     return load_config(merge_configs(data, override))
-
-
-def _read_yaml(path: str | Path) -> dict[str, Any]:
-    import yaml
-
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError("config_file", str(path), "a path to an existing YAML file")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError("config_file", str(path), "a valid YAML mapping", str(exc)) from exc
-    if not isinstance(data, dict):
-        raise ConfigError("<root>", data, "a mapping of config keys")
-    return data
 
 
 ProgressFn = Callable[[int, int, EngineStats], None]
