@@ -85,7 +85,7 @@ def run_replay(config: OffloadConfig, requests: list[TraceRequest], *, scaled: b
     eng = config.engine
     start = time.perf_counter()
     error = None
-    with FakeEngine(config) as engine:
+    with FakeEngine(config, sync_stores=True) as engine:  # deterministic: stores land before the next step
         max_queued = 2 * eng.max_num_seqs
         next_index = 0
         total = len(requests)

@@ -33,8 +33,8 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # permanently held, so it can never enter the free queue
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, Block] = {}
-        self.on_evict = on_evict
-        self.num_evictions = 0
+        self.on_evict = on_evict  # called with the key of every cached block that is dropped
+        self.num_evictions = 0  # cached blocks dropped because their block was reallocated (LRU)
 
     # --- queries -------------------------------------------------------------------------------
     @property
@@ -57,7 +57,7 @@ class BlockPool:
         out = self.free_queue.popleft_n(num)
         for block in out:
             if block.block_hash is not None:
-                self._drop_hash(block)
+                self._drop_hash(block, evicted=True)
             block.ref_cnt = 1
         return out
 
@@ -121,14 +121,16 @@ class BlockPool:
         """Forget `block`'s content (it will not be hit again)."""
         self._drop_hash(block)
 
-    def _drop_hash(self, block: Block) -> None:
+    def _drop_hash(self, block: Block, evicted: bool = False) -> None:
+        """Forget the block's content; `on_evict` hears of every drop, `num_evictions` counts only LRU ones."""
         h = block.block_hash
         if h is None:
             return
         block.block_hash = None
         if self.cached.get(h) is block:
             del self.cached[h]
-            self.num_evictions += 1
+            if evicted:
+                self.num_evictions += 1
             if self.on_evict is not None:
                 self.on_evict(h)
 

@@ -105,7 +105,7 @@ class OffloadScheduler:
             return 0, False  # a partial GPU hit: the CPU run could not start on a block boundary
         hashes = request.block_hashes
         first = num_computed_tokens // bs
-        self.policy.on_lookup(state, first)
+        state.num_gpu_hit_blocks = first
         last = min(len(hashes), (request.num_tokens - 1) // bs)  # keep >= 1 token to compute
         self.stats.num_lookup_tokens += max(0, request.num_tokens - num_computed_tokens)
         hits: list[Block] = []
@@ -149,6 +149,8 @@ class OffloadScheduler:
         state.gpu_block_ids = list(gpu_block_ids)
         state.num_store_checked_blocks = 0
         state.num_computed_tokens = 0
+        self.policy.on_allocated(state, state.num_gpu_hit_blocks)
+        state.num_gpu_hit_blocks = 0
         hit = state.pending_hit
         state.pending_hit = None
         if num_external_tokens == 0:
@@ -240,8 +242,11 @@ class OffloadScheduler:
 
     def _allocate_cpu(self, num: int) -> list[Block]:
         """Up to `num` CPU blocks, evicting LRU cached ones; fewer when the pool is pinned full."""
-        take = min(num, self.cpu_pool.num_free_blocks)
-        return self.cpu_pool.allocate(take) or []
+        pool = self.cpu_pool
+        before = pool.num_evictions
+        blocks = pool.allocate(min(num, pool.num_free_blocks)) or []
+        self.stats.num_cpu_evictions += pool.num_evictions - before
+        return blocks
 
     # ------------------------------------------------------------------ 4. completions
     def update_connector_output(self, reports: WorkerReport | Iterable[WorkerReport], *,
@@ -338,7 +343,6 @@ class OffloadScheduler:
         self.policy.on_store_complete(event)
 
     def _on_cpu_evict(self, key: bytes) -> None:
-        self.stats.num_cpu_evictions += 1
         if self.emit_kv_events:
             self._kv_events.append(KVEvent("removed", key))
 

@@ -5,8 +5,9 @@
 - `LazyStorePolicy` (exclusive-leaning tier): only free, hashed GPU blocks within `lookahead` blocks of the
   GPU pool's eviction frontier that are not on the CPU yet, so the GPU evicts only saved blocks. Saved GPU
   blocks return to their place in the GPU free queue (LRU order is kept), and CPU copies of blocks that
-  were just loaded to the GPU, or that a request just hit on the GPU, are forgotten and go to the head of
-  the CPU free queue (the GPU holds them now; the tiers stay mostly exclusive). Cost per step: O(lookahead); per lookup O(GPU-hit blocks).
+  were just loaded to the GPU, or that an admitted request hit on the GPU, are forgotten and go to the head of
+  the CPU free queue (the GPU holds them now; the tiers stay mostly exclusive) while the CPU tier is under
+  pressure (it evicted within the last `PRESSURE_STEPS` steps); without pressure they are kept. Cost per step: O(lookahead); per admission O(GPU-hit blocks).
 
 A policy never allocates; the scheduler allocates CPU blocks for what it selects.
 """
@@ -23,6 +24,10 @@ if TYPE_CHECKING:
     from scheduler_side.request_state import LoadJob, RequestState
 
 
+PRESSURE_STEPS = 64  # lazy: steps after a CPU eviction during which the tier counts as under pressure
+LOOKAHEAD_FACTOR = 1.5  # lazy lookahead / recent peak per-step allocation, under CPU pressure
+
+
 class StorePolicy:
     cpu_copy_worthless_after_load = False
     gpu_copy_worthless_after_store = False
@@ -34,7 +39,8 @@ class StorePolicy:
         """Cached on the CPU (a hit-able copy exists) or being stored right now."""
         return key in self.sched.cpu_pool.cached or key in self.sched._inflight_store_keys
 
-    def on_lookup(self, state: RequestState, num_gpu_hit_blocks: int) -> None: ...
+    def on_allocated(self, state: RequestState, num_gpu_hit_blocks: int) -> None:
+        """The engine allocated the request's blocks; its first `num_gpu_hit_blocks` were GPU hits."""
 
     def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None: ...
 
@@ -104,18 +110,31 @@ class LazyStorePolicy(StorePolicy):
         self._frontier_of: dict[int, list[tuple[int, bytes | None]]] = {}  # store event -> its frontier
         self._held: dict[bytes, int] = {}  # key -> GPU block we hold for the next store event
         self._last_event_id: int | None = None  # our most recent store event
+        self._steps = 0  # select_stores calls (engine steps)
+        self._evictions_seen = 0  # the CPU pool's LRU eviction count at the last step
+        self._last_eviction_step = -PRESSURE_STEPS - 1  # the last step that saw a CPU eviction
         self._p_inflight = 0.0  # how often a store event outlasted the next step's allocations (EMA)
 
     @property
     def lookahead(self) -> int:
+        """Blocks from the eviction frontier to keep saved: `lazy_lookahead_blocks` if set, else the larger
+        of the engine's per-step bound and a multiple of the recent peak allocation (CPU hits allocate
+        outside the token budget, so the bound alone can fall short)."""
         if self._fixed is not None:
             return self._fixed
-        if self.sched.max_blocks_per_step is not None:
-            return self.sched.max_blocks_per_step
-        return max(16, int(1.5 * self._peak_alloc))
+        return max(16, self.sched.max_blocks_per_step or 0, int(LOOKAHEAD_FACTOR * self._peak_alloc))
 
-    def on_lookup(self, state: RequestState, num_gpu_hit_blocks: int) -> None:
-        """The request's GPU-hit blocks are resident on the GPU: their CPU copies go first."""
+    @property
+    def _cpu_under_pressure(self) -> bool:
+        """The CPU tier evicted within the last `PRESSURE_STEPS` steps: space spent on copies of blocks
+        the GPU holds costs hits. Without pressure such copies are kept (a free second chance)."""
+        return self._steps - self._last_eviction_step <= PRESSURE_STEPS
+
+    def on_allocated(self, state: RequestState, num_gpu_hit_blocks: int) -> None:
+        """The request now holds its GPU-hit blocks: under CPU pressure their CPU copies give way. (Not at
+        lookup: a request that then fails to allocate leaves those blocks free, maybe at the frontier.)"""
+        if not num_gpu_hit_blocks or not self._cpu_under_pressure:
+            return
         hashes = state.request.block_hashes
         cpu_pool, group = self.sched.cpu_pool, self.sched.group_id
         for i in range(min(num_gpu_hit_blocks, len(hashes))):
@@ -124,7 +143,9 @@ class LazyStorePolicy(StorePolicy):
                 cpu_pool.discard(block)
 
     def on_load_complete(self, job: LoadJob) -> None:
-        """The loaded blocks are resident on the GPU now: their CPU copies give way."""
+        """The loaded blocks are resident on the GPU now: under CPU pressure their CPU copies give way."""
+        if not self._cpu_under_pressure:
+            return
         for block in job.cpu_blocks:
             if block.ref_cnt == 1:  # only the load's own reference, dropped right after this
                 self.sched.cpu_pool.uncache(block)
@@ -134,6 +155,10 @@ class LazyStorePolicy(StorePolicy):
         state.num_store_checked_blocks = len(state.gpu_block_ids)
 
     def select_stores(self) -> tuple[list[int], list[bytes]]:
+        self._steps += 1
+        evictions = self.sched.cpu_pool.num_evictions
+        if evictions != self._evictions_seen:
+            self._evictions_seen, self._last_eviction_step = evictions, self._steps
         self._peak_alloc = max(float(self._step_alloc), 0.9 * self._peak_alloc)
         self._step_alloc = 0
         gpu_ids = list(self._held.values())

@@ -1,6 +1,7 @@
 """Lazy stores: only hashed GPU blocks near the eviction frontier are saved, saved GPU blocks keep
 their LRU position, and a CPU copy of a block resident on the GPU gives way."""
 
+import pytest
 from helpers import FakeRequest, admit, make_scheduler, report, step_done
 
 from offload_connector.hashing import with_group_id
@@ -36,39 +37,51 @@ def test_lazy_stores_only_near_the_eviction_frontier():
     assert sched.build_connector_meta([]).store_event is None  # already saved: not stored twice
 
 
-def test_lazy_loaded_cpu_copy_gives_way():
-    sched, gpu = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=6, block_size=BS,
+def lazy_with_a_stored_prefix(pressure: bool):
+    """A lazy scheduler whose CPU tier holds A's two blocks; with `pressure`, storing them evicted others."""
+    sched, gpu = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=3 if pressure else 20, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=20)
-    a = FakeRequest("A", list(range(9)), BS)
-    compute_and_free(sched, gpu, a)
-    meta = sched.build_connector_meta([])
-    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    stories = [FakeRequest("X", list(range(50, 59)), BS)] if pressure else []
+    for req in stories + [FakeRequest("A", list(range(9)), BS)]:
+        compute_and_free(sched, gpu, req)
+        meta = sched.build_connector_meta([])
+        sched.update_connector_output(report(completed_store_events=[meta.store_event]))
     for blk in list(gpu.free_queue):  # the GPU copies get evicted
         gpu.uncache(blk)
+    sched.build_connector_meta([])  # a step: the policy notices the evictions (or their absence)
+    assert (sched.cpu_pool.num_evictions > 0) == pressure
+    return sched, gpu
+
+
+@pytest.mark.parametrize("pressure", [True, False])
+def test_lazy_loaded_cpu_copy_gives_way_under_pressure(pressure):
+    sched, gpu = lazy_with_a_stored_prefix(pressure)
     b = FakeRequest("B", list(range(9)), BS)
     hit, _, ids = admit(sched, gpu, b)
     assert hit == 8
     meta = sched.build_connector_meta([])
     sched.update_connector_output(report(finished_load_reqs=["B"]))
-    assert [b.block_id for b in sched.cpu_pool.free_queue][:2] == meta.load_cpu_blocks
-    assert sched.get_num_new_matched_tokens(FakeRequest("C", list(range(9)), BS), 0) == (0, False)
+    again = sched.get_num_new_matched_tokens(FakeRequest("C", list(range(9)), BS), 0)
+    if pressure:  # the GPU holds them now: the CPU copies are forgotten and their blocks go first
+        assert [b.block_id for b in sched.cpu_pool.free_queue][:2] == meta.load_cpu_blocks
+        assert again == (0, False)
+    else:  # room to spare: the copies stay hit-able
+        assert again == (8, True)
     sched.request_finished(b)
     gpu.free([gpu.blocks[i] for i in reversed(ids)])
     sched.check_integrity()
 
 
-def test_lazy_gpu_hit_discards_the_cpu_copy():
-    sched, gpu = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=6, block_size=BS,
-                                store_policy="lazy", lazy_lookahead_blocks=20)
-    a = FakeRequest("A", list(range(9)), BS)
-    compute_and_free(sched, gpu, a)
-    meta = sched.build_connector_meta([])
-    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+@pytest.mark.parametrize("pressure", [True, False])
+def test_lazy_gpu_hit_discards_the_cpu_copy_under_pressure(pressure):
+    sched, gpu = lazy_with_a_stored_prefix(pressure)
     b = FakeRequest("B", list(range(9)), BS)
-    # B hits both blocks on the GPU: the CPU copies are resident twice, so they give way
+    # 1. a lookup alone changes nothing: B might not get its blocks
     assert sched.get_num_new_matched_tokens(b, 8) == (0, False)
-    assert {blk.block_id for blk in list(sched.cpu_pool.free_queue)[:2]} == set(meta.store_cpu_blocks)
-    assert not sched.cpu_pool.cached
+    assert len(sched.cpu_pool.cached) == 2
+    # 2. B is allocated and holds both blocks as GPU hits: under pressure the CPU copies give way
+    sched.update_state_after_alloc(b, [1, 2, 3], 0)
+    assert len(sched.cpu_pool.cached) == (0 if pressure else 2)
 
 
 def test_lazy_holds_a_finished_requests_blocks_when_the_pool_is_nearly_full():

@@ -35,7 +35,7 @@ class EngineStallError(RuntimeError):
 
 class FakeEngine:
     def __init__(self, config: OffloadConfig, connector: bool = True, backend: TransferBackend | None = None,
-                 wait_for_loads: bool = True) -> None:
+                 wait_for_loads: bool = True, sync_stores: bool = False) -> None:
         eng = config.engine
         if eng.num_cpu_blocks is not None and config.num_cpu_blocks is None:
             config = msgspec.structs.replace(config, num_cpu_blocks=eng.num_cpu_blocks)
@@ -45,6 +45,9 @@ class FakeEngine:
         self.model = FakeModel(eng)
         self.gpu = GpuCache(eng.num_gpu_blocks, eng.block_size)
         self.wait_for_loads = wait_for_loads
+        # sync_stores: each step's stores complete before the next step is scheduled (deterministic
+        # replays; on a GPU a step's stores finish well within the next step). Default: reported when done.
+        self.sync_stores = sync_stores
         self.worker: OffloadWorker | None = None
         self.connector: OffloadScheduler | None = None
         if connector:
@@ -108,6 +111,8 @@ class FakeEngine:
     def _poll_worker(self, wait_for_loads: bool) -> None:
         if self.worker is None or self.connector is None:
             return
+        if self.sync_stores:
+            self.worker.wait_all()
         report = self.worker.get_finished(wait_for_loads=wait_for_loads)
         self.connector.update_connector_output(report)
         self.scheduler.update_from_connector(report)
