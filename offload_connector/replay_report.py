@@ -34,6 +34,7 @@ def format_report(result: ReplayResult) -> str:
         f"{s.load_wait_steps} load-wait steps (max {s.max_load_wait_steps}), {s.failed_load_blocks} failed blocks",
         f"  engine      {s.steps} steps, {s.output_tokens:,} output tokens, {s.num_preemptions} preemptions, "
         f"{s.recomputed_tokens:,} recomputed tokens",
+        f"  GPU evicted {s.gpu_evictions:,} cached blocks, {s.gpu_evictions_unsaved:,} of them on neither tier",
         f"  integrity   {s.integrity_errors} errors ({s.verified_tokens:,} token reads verified), "
         f"{s.leaked_blocks} leaked blocks",
         f"  wall time   {result.wall_seconds:.1f} s",

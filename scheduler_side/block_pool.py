@@ -24,7 +24,7 @@ class PoolError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, on_evict: Callable[[bytes], None] | None = None) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[bytes, bool], None] | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -33,7 +33,7 @@ class BlockPool:
         self.null_block.ref_cnt = 1  # permanently held, so it can never enter the free queue
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, Block] = {}
-        self.on_evict = on_evict  # called with the key of every cached block that is dropped
+        self.on_evict = on_evict  # (key, evicted) for every cached block dropped; evicted: by allocation (LRU)
         self.num_evictions = 0  # cached blocks dropped because their block was reallocated (LRU)
 
     # --- queries -------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ class BlockPool:
             if evicted:
                 self.num_evictions += 1
             if self.on_evict is not None:
-                self.on_evict(h)
+                self.on_evict(h, evicted)
 
     # --- checks --------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -342,7 +342,7 @@ class OffloadScheduler:
         self.gpu_pool.free(event.gpu_block_ids, front=self.policy.gpu_copy_worthless_after_store)
         self.policy.on_store_complete(event)
 
-    def _on_cpu_evict(self, key: bytes) -> None:
+    def _on_cpu_evict(self, key: bytes, evicted: bool) -> None:
         if self.emit_kv_events:
             self._kv_events.append(KVEvent("removed", key))
 
@@ -377,6 +377,10 @@ class OffloadScheduler:
         """Transfers in flight or queued (the engine should keep stepping until this is zero)."""
         return (len(self._store_events) + sum(1 for s in self._requests.values() if s.load is not None)
                 + self.policy.num_held_blocks)
+
+    def is_saved(self, key: bytes) -> bool:
+        """A copy of this block's content is on the CPU tier or being stored there."""
+        return key in self.cpu_pool.cached or key in self._inflight_store_keys
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests

@@ -53,7 +53,7 @@ def test_touch_removes_from_middle_and_counts_refs():
 
 def test_eviction_drops_hash_and_reports_it():
     evicted = []
-    pool = BlockPool(3, on_evict=evicted.append)
+    pool = BlockPool(3, on_evict=lambda key, by_allocation: evicted.append((key, by_allocation)))
     a, b = pool.allocate(2)
     assert pool.cache(a, b"h-a") and pool.cache(b, b"h-b")
     pool.free([a, b])
@@ -61,7 +61,9 @@ def test_eviction_drops_hash_and_reports_it():
     (c,) = pool.allocate(1)
     assert c is a and c.block_hash is None
     assert pool.lookup(b"h-a") is None and pool.lookup(b"h-b") is b
-    assert evicted == [b"h-a"] and pool.num_evictions == 1
+    assert evicted == [(b"h-a", True)] and pool.num_evictions == 1
+    pool.uncache(b)
+    assert evicted[-1] == (b"h-b", False) and pool.num_evictions == 1  # a drop, not an eviction
     pool.check_integrity()
 
 

@@ -98,3 +98,12 @@ def test_default_replay_shows_cpu_hits(capsys: pytest.CaptureFixture[str]) -> No
     assert (out["gpu_blocks"], out["cpu_blocks"]) == (2196, 4392)
     assert out["cpu_hit_tokens"] > 0.05 * out["prompt_tokens"]  # the CPU tier visibly matters
     assert out["integrity_errors"] == 0 and out["leaked_blocks"] == 0
+
+
+def test_eager_with_room_to_spare_loses_no_evicted_block() -> None:
+    """Eager stores every computed block before the GPU can evict it: with a CPU tier that never fills, no
+    evicted GPU block is lost from both tiers (the measure lazy is judged by)."""
+    config = replay_config(None, gpu_blocks=300, cpu_blocks=20_000, store_policy="eager")
+    out = run_replay(config, read_trace(bundled_trace_path(), limit=300), scaled=True).to_dict()
+    assert out["gpu_evictions"] > 0 and out["gpu_evictions_unsaved"] == 0
+    assert out["integrity_errors"] == 0 and out["leaked_blocks"] == 0

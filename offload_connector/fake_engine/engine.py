@@ -56,6 +56,7 @@ class FakeEngine:
             self.connector = OffloadScheduler(
                 config, eng.block_size, self.worker.num_cpu_blocks, self.gpu.view,
                 max_blocks_per_step=None)
+        self.gpu.pool.on_evict = self._on_gpu_evict
         self.scheduler = EngineScheduler(eng, self.gpu, self.connector, self.stats, self.model.release)
         self.outputs: dict[str, list[int]] = {}  # finished request id -> generated tokens
         self._idle_steps = 0
@@ -107,6 +108,14 @@ class FakeEngine:
                     f"{self._idle_steps} steps without progress; {len(self.scheduler.waiting)} waiting, "
                     f"{len(self.scheduler.running)} running, {self.gpu.pool.num_free_blocks} free GPU blocks")
         return finished
+
+    def _on_gpu_evict(self, key: bytes, evicted: bool) -> None:
+        """An allocation took a cached GPU block: count it, and whether the CPU tier had its content."""
+        if not evicted:
+            return
+        self.stats.gpu_evictions += 1
+        if self.connector is not None and not self.connector.is_saved(key):
+            self.stats.gpu_evictions_unsaved += 1
 
     def _poll_worker(self, wait_for_loads: bool) -> None:
         if self.worker is None or self.connector is None:

@@ -38,6 +38,8 @@ class EngineStats:
     load_wait_steps: int = 0  # summed over loads: steps from issue to completion (issuing step included)
     max_load_wait_steps: int = 0
     failed_load_blocks: int = 0
+    gpu_evictions: int = 0  # cached GPU blocks evicted by allocation
+    gpu_evictions_unsaved: int = 0  # ... whose content was neither on the CPU tier nor being stored (lost)
     bytes_stored: int = 0
     bytes_loaded: int = 0
     steps: int = 0
