@@ -101,13 +101,12 @@ class OffloadScheduler:
         self.stats.num_lookups += 1
 
         bs = self.block_size
+        state.num_gpu_hit_blocks, state.lookup_pending = num_computed_tokens // bs, True
         if num_computed_tokens % bs:
             return 0, False  # a partial GPU hit: the CPU run could not start on a block boundary
         hashes = request.block_hashes
         first = num_computed_tokens // bs
-        state.num_gpu_hit_blocks = first
         last = min(len(hashes), (request.num_tokens - 1) // bs)  # keep >= 1 token to compute
-        self.stats.num_lookup_tokens += max(0, request.num_tokens - num_computed_tokens)
         hits: list[Block] = []
         cached, group = self.cpu_pool.cached, self.group_id
         for i in range(first, last):
@@ -135,54 +134,55 @@ class OffloadScheduler:
     ) -> None:
         """Map the pending hit onto the newly allocated GPU blocks and start tracking the request.
 
-        `gpu_block_ids` are all of the request's blocks (GPU-hit ones first), as vLLM passes them.
+        `gpu_block_ids` are all of the request's blocks (GPU-hit ones first), as vLLM passes them. Stores
+        start after the GPU-hit and loaded blocks (eager stores what the forward computes). A call that
+        does not match the pending hit raises `SchedulerError` and changes nothing.
         """
         state = self._requests.get(request.request_id)
+        hit = state.pending_hit if state is not None else None
+        n = self._check_external_tokens(request, hit, gpu_block_ids, num_external_tokens)
         if state is None:
-            if num_external_tokens:
-                raise SchedulerError(
-                    f"update_state_after_alloc: request {request.request_id} claims {num_external_tokens} "
-                    "external tokens but was never looked up"
-                )
             state = self._requests[request.request_id] = RequestState(request)
         state.finished = False
         state.gpu_block_ids = list(gpu_block_ids)
-        state.num_store_checked_blocks = 0
         state.num_computed_tokens = 0
-        self.policy.on_allocated(state, state.num_gpu_hit_blocks)
-        state.num_gpu_hit_blocks = 0
-        hit = state.pending_hit
+        if state.lookup_pending:  # first allocation since the lookup: the GPU hit is now the request's
+            state.lookup_pending = False
+            state.num_store_checked_blocks = state.num_gpu_hit_blocks + n
+            self.stats.num_lookup_tokens += max(0, request.num_tokens - state.num_gpu_hit_blocks * self.block_size)
+            self.policy.on_allocated(state, state.num_gpu_hit_blocks)
         state.pending_hit = None
-        if num_external_tokens == 0:
-            if hit is not None:
-                self.cpu_pool.free(hit.cpu_blocks)
-            return
         if hit is None:
-            raise SchedulerError(
-                f"update_state_after_alloc: request {request.request_id} claims {num_external_tokens} "
-                "external tokens but has no pending CPU hit"
-            )
-        n = num_external_tokens // self.block_size
-        if n * self.block_size != num_external_tokens or n > len(hit.cpu_blocks):
-            self.cpu_pool.free(hit.cpu_blocks)
-            raise SchedulerError(
-                f"request {request.request_id}: {num_external_tokens} external tokens do not match the "
-                f"pending hit of {len(hit.cpu_blocks)} blocks of {self.block_size} tokens"
-            )
-        self.cpu_pool.free(hit.cpu_blocks[n:])  # the engine took less than we offered
+            return
+        self.cpu_pool.free(hit.cpu_blocks[n:])  # all of it when the engine took none of the hit
+        if n == 0:
+            return
         start = hit.num_computed_tokens // self.block_size
         gpu_ids = list(gpu_block_ids[start:start + n])
-        if len(gpu_ids) != n:
-            self.cpu_pool.free(hit.cpu_blocks[:n])
-            raise SchedulerError(
-                f"request {request.request_id}: {len(gpu_block_ids)} GPU blocks cannot hold a load of {n} "
-                f"blocks after {start} GPU-hit blocks"
-            )
         self.gpu_pool.touch(gpu_ids)  # the CPU references move from the pending hit to the job
         state.load = LoadJob(gpu_ids, hit.cpu_blocks[:n])
         self.stats.num_hit_tokens += num_external_tokens
         self._loads_to_send.append(state)
         self.policy.on_load_scheduled(state.load)
+
+    def _check_external_tokens(self, request: RequestLike, hit: PendingHit | None,
+                               gpu_block_ids: Sequence[int], num_external_tokens: int) -> int:
+        """Blocks the engine takes from the pending hit; raises (changing nothing) if they cannot match."""
+        if num_external_tokens == 0:
+            return 0
+        rid = request.request_id
+        if hit is None:
+            raise SchedulerError(f"update_state_after_alloc: request {rid} claims {num_external_tokens} "
+                                 "external tokens but has no pending CPU hit (never looked up, or dropped)")
+        n = num_external_tokens // self.block_size
+        if n * self.block_size != num_external_tokens or n > len(hit.cpu_blocks):
+            raise SchedulerError(f"request {rid}: {num_external_tokens} external tokens do not match the "
+                                 f"pending hit of {len(hit.cpu_blocks)} blocks of {self.block_size} tokens")
+        start = hit.num_computed_tokens // self.block_size
+        if len(gpu_block_ids) < start + n:
+            raise SchedulerError(f"request {rid}: {len(gpu_block_ids)} GPU blocks cannot hold a load of {n} "
+                                 f"blocks after {start} GPU-hit blocks")
+        return n
 
     # ------------------------------------------------------------------ 3. step metadata
     def build_connector_meta(self, scheduled: Iterable[StepRequest]) -> TransferMetadata:
@@ -329,9 +329,9 @@ class OffloadScheduler:
         for block, key in zip(event.cpu_blocks, event.keys, strict=True):
             if inflight.get(key) is block:
                 del inflight[key]
-            if failed:
-                block.block_hash = None
-            elif cpu_pool.cache(block, key) and kv_events is not None:
+            if failed or not cpu_pool.cache(block, key):
+                block.block_hash = None  # nothing hit-able here (a failed copy, or the key is cached already)
+            elif kv_events is not None:
                 kv_events.append(KVEvent("stored", key))
         if failed:
             self.stats.num_failed_store_blocks += len(event.cpu_blocks)
@@ -339,7 +339,7 @@ class OffloadScheduler:
         else:
             self.stats.num_stored_blocks += len(event.cpu_blocks)
             cpu_pool.free(event.cpu_blocks)
-        self.gpu_pool.free(event.gpu_block_ids, front=self.policy.gpu_copy_worthless_after_store)
+        self.gpu_pool.free(event.gpu_block_ids, front=self.policy.gpu_copy_worthless_after_store and not failed)
         self.policy.on_store_complete(event)
 
     def _on_cpu_evict(self, key: bytes, evicted: bool) -> None:

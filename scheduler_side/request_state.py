@@ -48,7 +48,8 @@ class RequestState:
     gpu_block_ids: list[int] = field(default_factory=list)  # the request's blocks, in token order
     num_store_checked_blocks: int = 0  # store cursor: blocks before it were stored, cached or skipped
     num_computed_tokens: int = 0  # tokens whose KV is on the GPU after the last scheduled step
-    num_gpu_hit_blocks: int = 0  # the engine's GPU prefix hit at the last lookup, until allocation
+    num_gpu_hit_blocks: int = 0  # the engine's GPU prefix hit (blocks) at the last lookup
+    lookup_pending: bool = False  # looked up, not allocated since (the next allocation admits it)
     pending_hit: PendingHit | None = None  # at most one; never together with an unfinished `load`
     load: LoadJob | None = None  # at most one load job in flight
     finished: bool = False  # the engine is done with the request; delete once `load` is None

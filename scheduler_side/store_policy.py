@@ -36,8 +36,7 @@ class StorePolicy:
         self.sched = sched
 
     def _is_saved(self, key: bytes) -> bool:
-        """Cached on the CPU (a hit-able copy exists) or being stored right now."""
-        return key in self.sched.cpu_pool.cached or key in self.sched._inflight_store_keys
+        return self.sched.is_saved(key)
 
     def on_allocated(self, state: RequestState, num_gpu_hit_blocks: int) -> None:
         """The engine allocated the request's blocks; its first `num_gpu_hit_blocks` were GPU hits."""

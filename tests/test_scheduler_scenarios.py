@@ -281,3 +281,33 @@ def test_external_tokens_without_pending_hit_raise():
     assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
     with pytest.raises(SchedulerError, match="no pending CPU hit"):
         sched.update_state_after_alloc(a, [1, 2, 3], 16)
+
+
+def test_mismatched_allocation_raises_and_changes_nothing():
+    sched, gpu = make_scheduler(block_size=BS)
+    store_prefix(sched, gpu, FakeRequest("A", list(range(40)), BS))
+    b = FakeRequest("B", list(range(40)), BS)
+    assert sched.get_num_new_matched_tokens(b, 0) == (32, True)
+    pinned = [blk.ref_cnt for blk in sched.cpu_pool.blocks]
+    # 1. more external tokens than the hit offered, then too few GPU blocks for it: both refused
+    with pytest.raises(SchedulerError, match="do not match"):
+        sched.update_state_after_alloc(b, [1, 2, 3], 48)
+    with pytest.raises(SchedulerError, match="cannot hold"):
+        sched.update_state_after_alloc(b, [1], 32)
+    # 2. nothing changed: the pending hit is intact and a correct allocation still loads it
+    assert [blk.ref_cnt for blk in sched.cpu_pool.blocks] == pinned
+    _, _, ids = admit(sched, gpu, b, gpu_hit_tokens=0)
+    assert sched.build_connector_meta([]).load_gpu_blocks == ids[:2]
+
+
+def test_eager_stores_only_what_the_forward_computes():
+    sched, gpu = make_scheduler(block_size=BS)
+    # B's first two blocks are a GPU hit that is not on the CPU (say, the CPU evicted it)
+    b = FakeRequest("B", list(range(50)), BS)
+    hit_tokens, _, ids = admit(sched, gpu, b, gpu_hit_tokens=32)
+    assert hit_tokens == 0
+    meta = sched.build_connector_meta([step_done("B", ids, 50)])
+    assert meta.store_gpu_blocks == [ids[2]]  # the third block is the only one this step computed
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    finish(sched, gpu, b, ids)
+    assert_idle(sched, gpu)
