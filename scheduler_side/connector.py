@@ -151,6 +151,7 @@ class OffloadScheduler:
             state.num_store_checked_blocks = state.num_gpu_hit_blocks + n
             self.stats.num_lookup_tokens += max(0, request.num_tokens - state.num_gpu_hit_blocks * self.block_size)
             self.policy.on_allocated(state, state.num_gpu_hit_blocks)
+            self.policy.on_blocks_allocated(len(state.gpu_block_ids) - state.num_gpu_hit_blocks)
         state.pending_hit = None
         if hit is None:
             return
@@ -203,7 +204,7 @@ class OffloadScheduler:
                 self.stats.num_loaded_blocks += job.num_blocks
             self._loads_to_send.clear()
 
-        requests, on_scheduled = self._requests, self.policy.on_scheduled
+        requests, on_scheduled, on_alloc = self._requests, self.policy.on_scheduled, self.policy.on_blocks_allocated
         for req_id, new_gpu_block_ids, num_computed_tokens, replace_blocks in scheduled:
             state = requests.get(req_id)
             if state is None:
@@ -212,6 +213,8 @@ class OffloadScheduler:
                 state.gpu_block_ids = list(new_gpu_block_ids)
             else:
                 state.gpu_block_ids.extend(new_gpu_block_ids)
+                if new_gpu_block_ids:
+                    on_alloc(len(new_gpu_block_ids))
             state.num_computed_tokens = num_computed_tokens
             on_scheduled(state, num_computed_tokens)
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 PRESSURE_STEPS = 64  # lazy: steps after a CPU eviction during which the tier counts as under pressure
-LOOKAHEAD_FACTOR = 1.5  # lazy lookahead / recent peak per-step allocation, under CPU pressure
+LOOKAHEAD_FACTOR = 2.0  # lazy lookahead / recent peak per-step allocation (loads included)
 
 
 class StorePolicy:
@@ -40,6 +40,9 @@ class StorePolicy:
 
     def on_allocated(self, state: RequestState, num_gpu_hit_blocks: int) -> None:
         """The engine allocated the request's blocks; its first `num_gpu_hit_blocks` were GPU hits."""
+
+    def on_blocks_allocated(self, num_blocks: int) -> None:
+        """The engine took `num_blocks` blocks from its free queue this step (new blocks, loads included)."""
 
     def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None: ...
 
@@ -149,9 +152,8 @@ class LazyStorePolicy(StorePolicy):
             if block.ref_cnt == 1:  # only the load's own reference, dropped right after this
                 self.sched.cpu_pool.uncache(block)
 
-    def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None:
-        self._step_alloc += max(0, len(state.gpu_block_ids) - state.num_store_checked_blocks)
-        state.num_store_checked_blocks = len(state.gpu_block_ids)
+    def on_blocks_allocated(self, num_blocks: int) -> None:
+        self._step_alloc += num_blocks
 
     def select_stores(self) -> tuple[list[int], list[bytes]]:
         self._steps += 1
