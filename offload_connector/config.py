@@ -199,8 +199,10 @@ def load_config(path_or_dict: str | Path | Mapping[str, Any] | None = None) -> O
         data: Any = default_config_dict()
     elif isinstance(path_or_dict, Mapping):
         data = dict(path_or_dict)
-    else:
+    elif isinstance(path_or_dict, str | Path):
         data = read_config_file(path_or_dict)
+    else:
+        raise ConfigError("config", path_or_dict, "a YAML file path, a mapping of config keys, or None")
     if not isinstance(data, Mapping):
         raise ConfigError("<root>", data, "a mapping of config keys")
     try:

@@ -53,16 +53,11 @@ class WorkerReport(msgspec.Struct, kw_only=True):
 
 
 _meta_encoder = msgspec.msgpack.Encoder()
-_meta_decoder = msgspec.msgpack.Decoder(TransferMetadata)
 _report_decoder = msgspec.msgpack.Decoder(WorkerReport)
 
 
 def encode(obj: TransferMetadata | WorkerReport) -> bytes:
     return _meta_encoder.encode(obj)
-
-
-def decode_metadata(data: bytes) -> TransferMetadata:
-    return _meta_decoder.decode(data)
 
 
 def decode_report(data: bytes) -> WorkerReport:

@@ -25,8 +25,3 @@ def num_cpu_blocks(config: OffloadConfig, bytes_per_block: int, world_size: int 
             f"x {world_size} ranks)", "the CPU pool would hold fewer than 2 blocks",
         )
     return n
-
-
-def cpu_pool_bytes(num_blocks: int, bytes_per_block: int) -> int:
-    """Bytes of host memory one rank's pool takes (block 0 included, to keep ids equal to offsets)."""
-    return num_blocks * bytes_per_block

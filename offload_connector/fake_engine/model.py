@@ -61,7 +61,6 @@ class FakeModel:
         self._offsets = torch.arange(self.block_size, dtype=torch.int64)
         self.num_integrity_errors = 0
         self.num_verified_tokens = 0
-        self.num_written_tokens = 0
 
     @property
     def bytes_per_block(self) -> int:
@@ -126,7 +125,6 @@ class FakeModel:
             new_slots = self._slots(req.gpu_block_ids, start, end)
             for layer, flat in enumerate(self._flat):
                 flat.index_copy_(1, new_slots, src[layer])
-            self.num_written_tokens += num_new
             if end == req.num_tokens:
                 sampled[req.request_id] = kv_pattern.next_token(int(st.seeds[end - 1]), end - 1)
         return sampled
