@@ -49,3 +49,22 @@ def test_cuda_round_trip_after_pending_compute(dtype):
     for t in kv.values():
         assert torch.equal(t[10:13], t[3:6])
     w.shutdown()
+
+
+def test_a_failed_pin_fails_every_submit_not_just_the_first() -> None:
+    """Runs without a GPU: the check precedes any CUDA call. A pool that could not be pinned must never be
+    copied from as if it were (the first submit used to clear the error along with the pin thread)."""
+    import numpy as np
+
+    from worker_side.backend import CopyJob
+    from worker_side.cuda_backend import CudaBackend
+    from worker_side.errors import BackendError
+
+    backend = CudaBackend.__new__(CudaBackend)  # no device here: set up only what submit reads first
+    backend._closed, backend._device_views, backend._host_views = False, [], []
+    backend._pin_thread, backend._pin_error = None, RuntimeError("cudaHostRegister: out of memory")
+    backend._inflight = {}
+    job = CopyJob(1, "store", 0, np.array([1]), np.array([1]))
+    for _ in range(2):
+        with pytest.raises(BackendError, match="pinning the host pool failed"):
+            backend.submit(job)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker_side.block_layout import TensorBlockView
+from worker_side.errors import WorkerInvariantError
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +50,7 @@ def build_segments(src_views: Sequence[TensorBlockView], dst_views: Sequence[Ten
     dsts, srcs, sizes = [], [], []
     for sv, dv in zip(src_views, dst_views, strict=True):
         if sv.block_bytes != dv.block_bytes or sv.chunk_bytes != dv.chunk_bytes:
-            raise ValueError(f"tensor {sv.name!r}: source and destination block geometry differ "
+            raise WorkerInvariantError(f"tensor {sv.name!r}: source and destination block geometry differ "
                              f"({sv.block_bytes}/{sv.chunk_bytes} vs {dv.block_bytes}/{dv.chunk_bytes}); our bug")
         if sv.runs_are_contiguous and dv.runs_are_contiguous:
             srcs.append(sv.base_ptr + src_starts * sv.block_stride)

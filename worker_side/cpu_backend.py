@@ -28,7 +28,7 @@ import torch
 from worker_side.backend import CopyJob, JobResult, TransferBackend
 from worker_side.block_layout import TensorBlockView
 from worker_side.copy_plan import Segments, build_segments, split_segments
-from worker_side.errors import WorkerClosedError, WorkerInvariantError
+from worker_side.errors import BackendError, WorkerClosedError, WorkerInvariantError
 
 _PRIORITY = {"load": 0, "store": 1}
 _memmove = ctypes.memmove
@@ -78,7 +78,7 @@ class CpuBackend(TransferBackend):
 
     def __init__(self, num_threads: int = 2, min_shard_bytes: int = 256 * 1024) -> None:
         if num_threads < 1:
-            raise ValueError(f"num_threads={num_threads}; allowed: >= 1")
+            raise BackendError(f"num_threads={num_threads}; allowed: >= 1")
         self.num_threads = num_threads
         self.min_shard_bytes = min_shard_bytes
         self._device_views: list[TensorBlockView] | None = None
@@ -100,7 +100,7 @@ class CpuBackend(TransferBackend):
     def bind(self, device_views: list[TensorBlockView], host_views: list[TensorBlockView]) -> None:
         for v in device_views:
             if v.tensor.device.type != "cpu":
-                raise ValueError(f"the cpu transfer backend needs CPU KV tensors; {v.name!r} is on "
+                raise BackendError(f"the cpu transfer backend needs CPU KV tensors; {v.name!r} is on "
                                  f"{v.tensor.device}; allowed: transfer.backend 'cuda' or 'auto' for GPU tensors")
         self._device_views, self._host_views = list(device_views), list(host_views)
 

@@ -87,8 +87,8 @@ class CudaBackend(TransferBackend):
         if self._pin_thread is not None:
             self._pin_thread.join()
             self._pin_thread = None
-            if self._pin_error is not None:
-                raise BackendError(f"pinning the host pool failed: {self._pin_error}")
+        if self._pin_error is not None:  # every submit, not just the first: never copy from unpinned memory
+            raise BackendError(f"pinning the host pool failed: {self._pin_error}")
         if job.job_id in self._inflight:
             raise WorkerInvariantError(f"job id {job.job_id} submitted twice (our bug)")
         src, dst = ((self._device_views, self._host_views) if job.kind == "store"
