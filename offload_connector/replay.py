@@ -38,7 +38,7 @@ class ReplayResult:
     config: OffloadConfig
     num_cpu_blocks: int
     error: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    connector: dict[str, float] = field(default_factory=dict)  # the scheduler side's counters (SchedulerStats)
 
     def to_dict(self) -> dict[str, Any]:
         eng = self.config.engine
@@ -53,7 +53,7 @@ class ReplayResult:
             block_size=eng.block_size,
             error=self.error,
         )
-        out.update(self.extra)
+        out["connector"] = dict(self.connector)
         return out
 
 
@@ -105,7 +105,9 @@ def run_replay(config: OffloadConfig, requests: list[TraceRequest], *, scaled: b
             error = str(exc)
         num_cpu_blocks = engine.worker.num_cpu_blocks if engine.worker is not None else 0
         stats = engine.stats
-    return ReplayResult(stats, time.perf_counter() - start, trace_name, scaled, config, num_cpu_blocks, error)
+        connector = engine.connector.stats.snapshot() if engine.connector is not None else {}
+    return ReplayResult(stats, time.perf_counter() - start, trace_name, scaled, config, num_cpu_blocks, error,
+                        connector)
 
 
 class ProgressBar:

@@ -15,6 +15,22 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _connector_lines(c: dict[str, float]) -> list[str]:
+    """The connector's own counters (the figures vLLM's stats logger and Prometheus get)."""
+    if not c:
+        return []
+    def gbps(nbytes: float, seconds: float) -> str:
+        return f"{nbytes / seconds / 1e9:.2f} GB/s" if seconds > 0 else "n/a"
+    return [
+        f"  connector   {c['num_lookups']:,} lookups, {c['num_stored_blocks']:,} blocks stored "
+        f"({gbps(c['bytes_stored'], c['store_seconds'])}), {c['num_loaded_blocks']:,} loaded "
+        f"({gbps(c['bytes_loaded'], c['load_seconds'])}), "
+        f"{c['num_cpu_evictions']:,} CPU evictions",
+        f"              {c['num_store_skipped_blocks']:,} stores skipped (CPU pool pinned full), "
+        f"{c['num_failed_store_blocks']:,} failed stores, {c['num_failed_load_blocks']:,} failed loads",
+    ]
+
+
 def format_report(result: ReplayResult) -> str:
     s = result.stats
     d = result.to_dict()
@@ -35,6 +51,7 @@ def format_report(result: ReplayResult) -> str:
         f"  engine      {s.steps} steps, {s.output_tokens:,} output tokens, {s.num_preemptions} preemptions, "
         f"{s.recomputed_tokens:,} recomputed tokens",
         f"  GPU evicted {s.gpu_evictions:,} cached blocks, {s.gpu_evictions_unsaved:,} of them on neither tier",
+        *_connector_lines(result.connector),
         f"  integrity   {s.integrity_errors} errors ({s.verified_tokens:,} token reads verified), "
         f"{s.leaked_blocks} leaked blocks",
         f"  wall time   {result.wall_seconds:.1f} s",

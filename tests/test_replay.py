@@ -46,7 +46,7 @@ def test_unscaled_replay_of_a_few_requests(capsys: pytest.CaptureFixture[str]) -
 def test_text_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", "--quiet", "--scaled", "--limit", "50"]) == 0
     text = capsys.readouterr().out
-    assert "hit ratio" in text and "CPU hit" in text and "leaked blocks" in text
+    assert "hit ratio" in text and "CPU hit" in text and "leaked blocks" in text and "CPU evictions" in text
 
 
 def test_config_file_and_overrides(tmp_path: Path) -> None:
@@ -96,6 +96,9 @@ def test_default_replay_shows_cpu_hits(capsys: pytest.CaptureFixture[str]) -> No
     out = json.loads(capsys.readouterr().out)
     assert out["requests"] == 3993 and out["scaled"] is True
     assert (out["gpu_blocks"], out["cpu_blocks"]) == (2196, 4392)
+    connector = out["connector"]  # the connector's own counters, as vLLM's stats get them
+    assert connector["num_hit_tokens"] == out["cpu_hit_tokens"]
+    assert connector["bytes_stored"] == out["bytes_stored"] and connector["num_stored_blocks"] > 0
     assert out["cpu_hit_tokens"] > 0.05 * out["prompt_tokens"]  # the CPU tier visibly matters
     assert out["integrity_errors"] == 0 and out["leaked_blocks"] == 0
 
