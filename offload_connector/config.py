@@ -190,19 +190,26 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def config_source_dict(path_or_dict: str | Path | Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The raw mapping behind a config source: a YAML path, a mapping, or None (the embedded default).
+
+    Unvalidated, so callers can merge overrides before `load_config`.
+    """
+    if path_or_dict is None:
+        return default_config_dict()
+    if isinstance(path_or_dict, Mapping):
+        return dict(path_or_dict)
+    if isinstance(path_or_dict, str | Path):
+        return read_config_file(path_or_dict)
+    raise ConfigError("config", path_or_dict, "a YAML file path, a mapping of config keys, or None")
+
+
 def load_config(path_or_dict: str | Path | Mapping[str, Any] | None = None) -> OffloadConfig:
     """Load and validate a config from a YAML path, a mapping, or None (embedded default).
 
     Keys missing from the input take the documented defaults. Raises ConfigError on any bad input.
     """
-    if path_or_dict is None:
-        data: Any = default_config_dict()
-    elif isinstance(path_or_dict, Mapping):
-        data = dict(path_or_dict)
-    elif isinstance(path_or_dict, str | Path):
-        data = read_config_file(path_or_dict)
-    else:
-        raise ConfigError("config", path_or_dict, "a YAML file path, a mapping of config keys, or None")
+    data: Any = config_source_dict(path_or_dict)
     if not isinstance(data, Mapping):
         raise ConfigError("<root>", data, "a mapping of config keys")
     try:

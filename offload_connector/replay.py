@@ -19,10 +19,9 @@ from typing import Any
 
 from offload_connector.config import (
     OffloadConfig,
-    default_config_dict,
+    config_source_dict,
     load_config,
     merge_configs,
-    read_config_file,
 )
 from offload_connector.fake_engine import FakeEngine, IntegrityError
 from offload_connector.fake_engine.stats import EngineStats
@@ -60,12 +59,7 @@ class ReplayResult:
 def replay_config(config: str | Path | Mapping[str, Any] | None = None, *, gpu_blocks: int | None = None,
                   cpu_blocks: int | None = None, store_policy: str | None = None) -> OffloadConfig:
     """The replay's config: the file (or mapping, or the embedded default) with the overrides applied."""
-    if config is None:
-        data: dict[str, Any] = default_config_dict()
-    elif isinstance(config, Mapping):
-        data = dict(config)
-    else:
-        data = read_config_file(config)
+    data = config_source_dict(config)
     override: dict[str, Any] = {}
     if gpu_blocks is not None:
         override["engine"] = {"num_gpu_blocks": gpu_blocks}

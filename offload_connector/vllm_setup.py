@@ -18,9 +18,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
-from offload_connector.config import ConfigError, OffloadConfig, load_config, merge_configs
+from offload_connector.config import (
+    ConfigError,
+    OffloadConfig,
+    config_source_dict,
+    load_config,
+    merge_configs,
+)
 from offload_connector.sizing import num_cpu_blocks
 
 
@@ -34,8 +38,7 @@ def resolve_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     config_file = inline.pop("config_file", None)
     if config_file is not None and not isinstance(config_file, str):
         raise ConfigError("config_file", config_file, "a path (string) to a YAML file")
-    base = msgspec.to_builtins(load_config(config_file))  # None -> the embedded default
-    return load_config(merge_configs(base, inline))
+    return load_config(merge_configs(config_source_dict(config_file), inline))  # no file: the embedded default
 
 
 @dataclass(frozen=True, slots=True)
