@@ -100,3 +100,19 @@ def test_stats_count_steps_and_load_waits() -> None:
         s = engine.stats
         assert s.num_loads > 0 and s.load_wait_steps == s.num_loads  # wait_for_loads: one step each
         assert s.max_load_wait_steps == 1
+
+
+def test_a_request_hits_blocks_an_earlier_one_computes_in_the_same_step() -> None:
+    """vLLM caches blocks when it schedules them: a second request admitted in the same step shares the
+    prefix the first one is computing, and reads it only after the forward wrote it."""
+    prompt = list(range(1, 18))  # 4 full blocks of 4 tokens and one token more
+    with FakeEngine(small_config(), connector=False) as engine:
+        a = engine.add_request("a", prompt, 2)
+        b = engine.add_request("b", prompt[:16] + [99], 2)
+        engine.step()
+        assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.RUNNING
+        assert engine.stats.steps == 1 and b.num_gpu_hit_tokens == 16 and a.num_gpu_hit_tokens == 0
+        while engine.has_unfinished():
+            engine.step()
+        engine.check()
+        assert engine.stats.integrity_errors == 0 and engine.stats.verified_tokens > 0

@@ -4,8 +4,9 @@ It owns the GPU `BlockPool` (the scheduler_side pool: ref counts, O(1) LRU free 
 hands the connector a `BlockPoolGpuView` of it. Invariants:
 - a request holds exactly one reference on each of its `gpu_block_ids`;
 - prefix-cache keys are `with_group_id(block_hash, 0)`, equal to the connector's keys;
-- only blocks whose K/V is complete are cached: the engine calls `cache_blocks` after a forward (and after
-  a CPU load completes, vLLM's delayed caching), never for blocks still being written;
+- full blocks are cached when scheduled (vLLM's `allocate_slots`): the forward that writes them runs
+  before any later reader's, since the model runs requests in scheduling order; blocks being loaded from
+  the CPU are cached only when the load completes (vLLM's delayed caching);
 - `free` releases in reverse token order, so a request's tail blocks are evicted first (vLLM's order).
 """
 
@@ -61,7 +62,7 @@ class GpuCache:
         return new_ids
 
     def cache_blocks(self, req: EngineRequest, num_computed_tokens: int) -> None:
-        """Register the request's full, computed blocks in the prefix cache."""
+        """Register the request's full blocks among its first `num_computed_tokens` tokens in the prefix cache."""
         end = min(num_computed_tokens // self.block_size, len(req.block_hashes), len(req.gpu_block_ids))
         blocks = self.pool.blocks
         for i in range(req.num_cached_blocks, end):

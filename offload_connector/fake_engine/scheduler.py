@@ -14,7 +14,10 @@ Per step, `schedule()`:
    When a request without blocks cannot be allocated, only requests already holding blocks (finished loads)
    are admitted behind it, and when nothing runs at all the last of those gives its blocks up: two
    deviations from vLLM that keep tiny pools from deadlocking on parked requests.
-`update_from_output` applies the forward (advance, cache full blocks, append sampled tokens, finish) and
+Blocks enter the GPU prefix cache when scheduled, as in vLLM's `allocate_slots`: a request admitted later in
+the same step may hit blocks an earlier one computes in this forward (the model runs requests in scheduling
+order, so the writes come first). `update_from_output` applies the forward (advance, append sampled tokens,
+finish) and
 `update_from_connector` the worker's report. Finishing or aborting calls `request_finished` *before* the
 engine frees the blocks. Per-step cost is O(scheduled requests + their new blocks + parked loads).
 """
@@ -143,6 +146,7 @@ class EngineScheduler:
                 new_ids = self.gpu.allocate(req, req.num_computed_tokens + num_new)
             if new_ids is None:
                 break
+            self.gpu.cache_blocks(req, req.num_computed_tokens + num_new)
             out.chunks.append((req, num_new))
             out.step_requests.append(StepRequest(req.request_id, new_ids, req.num_computed_tokens + num_new))
             budget -= num_new
@@ -202,6 +206,7 @@ class EngineScheduler:
                 self._park(req, num_external)
                 skipped.append(req)
                 continue
+            self.gpu.cache_blocks(req, num_computed + num_new)
             self._start_running(req)
             out.chunks.append((req, num_new))
             out.step_requests.append(
@@ -260,7 +265,6 @@ class EngineScheduler:
             if start < req.num_ever_computed:
                 self.stats.recomputed_tokens += min(req.num_ever_computed, start + num_new) - start
             req.num_ever_computed = max(req.num_ever_computed, req.num_computed_tokens)
-            self.gpu.cache_blocks(req, req.num_computed_tokens)
             token = sampled.get(req.request_id)
             if token is None:
                 continue
