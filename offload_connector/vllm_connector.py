@@ -106,6 +106,7 @@ class OffloadConnector(KVConnectorBase_V1):
             self.config, self.shape.block_size, self.num_cpu_blocks, self._gpu_pool, self.shape.world_size,
             group_id=0,
             max_blocks_per_step=sched.max_num_batched_tokens // self.shape.block_size + sched.max_num_seqs,
+            num_gpu_blocks=self.shape.num_gpu_blocks,
         )
         self._stats_tracker = StatsTracker()
         kv_events = getattr(vllm_config, "kv_events_config", None)

@@ -1,4 +1,4 @@
-"""A pool of KV blocks of one tier with ref counts, an LRU free queue and a prefix-cache map.
+"""A pool of KV blocks of one tier with ref counts, an LRU (or ARC) free queue and a prefix-cache map.
 
 Used for our CPU tier and, in the fake engine, as the engine's GPU pool.
 
@@ -7,7 +7,8 @@ Invariants (checked by `check_integrity()`):
 - every other block is either in the free queue (ref_cnt == 0) or held (ref_cnt > 0), never both;
 - `cached` maps a hash to the block holding that content, and that block's `block_hash` equals the key;
   a cached block may be free (evictable, hit-able) or held;
-- allocation pops the LRU head and, if the popped block was cached, drops it from `cached` first.
+- allocation pops the LRU head (with `eviction="arc"`: ARC's choice, see `arc_queue`) and, if the popped
+  block was cached, drops it from `cached` first.
 
 A failed `allocate` changes nothing. Only the owner of a reference may `free` it.
 """
@@ -16,7 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from scheduler_side.arc_queue import ArcFreeQueue
 from scheduler_side.free_queue import Block, FreeBlockQueue
+
+EVICTION_POLICIES = ("lru", "arc")
 
 
 class PoolError(RuntimeError):
@@ -24,14 +28,20 @@ class PoolError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, on_evict: Callable[[bytes, bool], None] | None = None) -> None:
+    def __init__(self, num_blocks: int, on_evict: Callable[[bytes, bool], None] | None = None,
+                 eviction: str = "lru", history: int | None = None) -> None:
+        """`history`: with ARC, how many recently reused keys to remember (default `num_blocks`)."""
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
+        if eviction not in EVICTION_POLICIES:
+            raise ValueError(f"unknown eviction {eviction!r}; allowed: {', '.join(EVICTION_POLICIES)}")
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # permanently held, so it can never enter the free queue
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.eviction = eviction
+        self.free_queue: FreeBlockQueue | ArcFreeQueue = (
+            ArcFreeQueue(self.blocks[1:], history) if eviction == "arc" else FreeBlockQueue(self.blocks[1:]))
         self.cached: dict[bytes, Block] = {}
         self.on_evict = on_evict  # (key, evicted) for every cached block dropped; evicted: by allocation (LRU)
         self.num_evictions = 0  # cached blocks dropped because their block was reallocated (LRU)
@@ -48,6 +58,15 @@ class BlockPool:
 
     def lookup(self, block_hash: bytes) -> Block | None:
         return self.cached.get(block_hash)
+
+    # --- replacement hints (ARC; no-ops under LRU) -----------------------------------------------
+    def note_reuse(self, block_hash: bytes) -> None:
+        """A request hit `block_hash` on either tier."""
+        self.free_queue.note_reuse(block_hash, self.cached.get(block_hash))
+
+    def note_miss(self, block_hash: bytes, adapt: bool = True) -> None:
+        """A request wanted `block_hash` and this tier did not hold it."""
+        self.free_queue.note_miss(block_hash, adapt)
 
     # --- state changes -------------------------------------------------------------------------
     def allocate(self, num: int) -> list[Block] | None:
@@ -115,6 +134,7 @@ class BlockPool:
             self._drop_hash(block)
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        self.free_queue.on_cached(block, block_hash)
         return True
 
     def uncache(self, block: Block) -> None:
@@ -127,6 +147,7 @@ class BlockPool:
         if h is None:
             return
         block.block_hash = None
+        self.free_queue.on_uncached(block)
         if self.cached.get(h) is block:
             del self.cached[h]
             if evicted:

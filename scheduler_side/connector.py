@@ -67,6 +67,7 @@ class OffloadScheduler:
     world_size: int = 1
     group_id: int = 0
     max_blocks_per_step: int | None = None  # the engine's allocation bound per step (lazy lookahead)
+    num_gpu_blocks: int | None = None  # the engine's GPU pool size (ARC remembers GPU + CPU reused keys)
     emit_kv_events: bool = True  # collect BlockStored/BlockRemoved for `take_events` (off: none kept)
     cpu_pool: BlockPool = field(init=False)
     stats: SchedulerStats = field(init=False, default_factory=SchedulerStats)
@@ -74,7 +75,10 @@ class OffloadScheduler:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.world_size <= 0:
             raise ValueError(f"block_size={self.block_size} and world_size={self.world_size} must be positive")
-        self.cpu_pool = BlockPool(self.num_cpu_blocks, on_evict=self._on_cpu_evict)
+        self.cpu_pool = BlockPool(self.num_cpu_blocks, on_evict=self._on_cpu_evict,
+                                  eviction=self.config.eviction,
+                                  history=self.num_cpu_blocks + (self.num_gpu_blocks or self.num_cpu_blocks))
+        self._arc = self.config.eviction == "arc"
         self._requests: dict[str, RequestState] = {}
         self._loads_to_send: list[RequestState] = []  # load jobs created since the last metadata
         self._store_events: dict[int, StoreEvent] = {}
@@ -109,12 +113,15 @@ class OffloadScheduler:
         last = min(len(hashes), (request.num_tokens - 1) // bs)  # keep >= 1 token to compute
         hits: list[Block] = []
         cached, group = self.cpu_pool.cached, self.group_id
+        i = first
         for i in range(first, last):
             key = with_group_id(hashes[i], group)
             block = cached.get(key)
             if block is None:
                 if key in self._inflight_store_keys:
                     return None, False  # its store completes soon: ask again next step
+                if self._arc:
+                    self._note_misses(hashes, i, last)
                 break
             hits.append(block)
         if not hits:
@@ -122,6 +129,18 @@ class OffloadScheduler:
         self.cpu_pool.touch(hits)
         state.pending_hit = PendingHit(hits, num_computed_tokens)
         return len(hits) * bs, True
+
+    def _note_misses(self, hashes: Sequence[bytes], first: int, last: int) -> None:
+        """ARC: blocks `first`..`last` missed on the CPU; the first miss alone adapts the target."""
+        pool, group = self.cpu_pool, self.group_id
+        for i in range(first, last):
+            pool.note_miss(with_group_id(hashes[i], group), adapt=i == first)
+
+    def _note_reuse(self, state: RequestState, num_blocks: int) -> None:
+        """ARC: the request's first `num_blocks` blocks were hits (GPU or CPU): their content is reused."""
+        pool, group, hashes = self.cpu_pool, self.group_id, state.request.block_hashes
+        for i in range(min(num_blocks, len(hashes))):
+            pool.note_reuse(with_group_id(hashes[i], group))
 
     def _drop_pending_hit(self, state: RequestState) -> None:
         if state.pending_hit is not None:
@@ -150,6 +169,8 @@ class OffloadScheduler:
             state.lookup_pending = False
             state.num_store_checked_blocks = state.num_gpu_hit_blocks + n
             self.stats.num_lookup_tokens += max(0, request.num_tokens - state.num_gpu_hit_blocks * self.block_size)
+            if self._arc:
+                self._note_reuse(state, state.num_gpu_hit_blocks + n)
             self.policy.on_allocated(state, state.num_gpu_hit_blocks)
             self.policy.on_blocks_allocated(len(state.gpu_block_ids) - state.num_gpu_hit_blocks)
         state.pending_hit = None

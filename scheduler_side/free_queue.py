@@ -21,7 +21,7 @@ class Block:
     block's contents answer to, or None. A block with ref_cnt > 0 is never in the free queue.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next", "seg", "reused")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -29,6 +29,8 @@ class Block:
         self.block_hash: bytes | None = None
         self.prev: Block | None = None
         self.next: Block | None = None
+        self.seg = 0  # ArcFreeQueue only: which of its lists the block is in (0: held)
+        self.reused = False  # ArcFreeQueue only: the block's content was reused
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
@@ -95,6 +97,15 @@ class FreeBlockQueue:
         if first is None:
             raise RuntimeError("FreeBlockQueue: broken head sentinel (our bug)")
         self._link_before(block, first)
+
+    # Replacement hooks (ArcFreeQueue uses them; plain LRU ignores them).
+    def note_reuse(self, key: bytes, block: Block | None) -> None: ...
+
+    def note_miss(self, key: bytes, adapt: bool) -> None: ...
+
+    def on_cached(self, block: Block, key: bytes) -> None: ...
+
+    def on_uncached(self, block: Block) -> None: ...
 
     def __iter__(self) -> Iterator[Block]:
         """Blocks from the eviction frontier (head) towards the most recently freed (tail)."""

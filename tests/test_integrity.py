@@ -38,9 +38,10 @@ def faulty_backend(seed: int, fail_rate: float, max_delay_s: float) -> FaultyBac
 
 def check_run(seed: int, store_policy: str, num_gpu_blocks: int, num_cpu_blocks: int, fail_rate: float,
               wait_for_loads: bool, num_requests: int = 30, abort_fraction: float = 0.15,
-              max_delay_s: float = 0.002) -> FakeEngine:
+              max_delay_s: float = 0.002, eviction: str = "lru") -> FakeEngine:
     wl = random_workload(seed, num_requests=num_requests, abort_fraction=abort_fraction)
-    cfg = small_config(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, store_policy=store_policy)
+    cfg = small_config(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, store_policy=store_policy,
+                       eviction=eviction)
     with FakeEngine(cfg, backend=faulty_backend(seed, fail_rate, max_delay_s),
                     wait_for_loads=wait_for_loads) as engine:
         aborted = run_workload(engine, wl)
@@ -59,7 +60,8 @@ def check_run(seed: int, store_policy: str, num_gpu_blocks: int, num_cpu_blocks:
 @pytest.mark.parametrize("seed", range(6))
 def test_random_runs_with_faults(seed: int, store_policy: str) -> None:
     engine = check_run(seed, store_policy, num_gpu_blocks=20 + seed % 3 * 4, num_cpu_blocks=12 + seed * 3,
-                       fail_rate=0.1 if seed % 2 else 0.0, wait_for_loads=seed % 3 != 0)
+                       fail_rate=0.1 if seed % 2 else 0.0, wait_for_loads=seed % 3 != 0,
+                       eviction="arc" if seed >= 3 else "lru")
     assert engine.stats.steps > 0
 
 
@@ -81,10 +83,10 @@ def test_random_runs_exercise_every_path() -> None:
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), gpu=st.integers(16, 40), cpu=st.integers(3, 40),
        policy=st.sampled_from(["eager", "lazy"]), fail_rate=st.sampled_from([0.0, 0.05, 0.3]),
-       wait=st.booleans())
+       wait=st.booleans(), eviction=st.sampled_from(["lru", "arc"]))
 def test_property_any_pool_sizes_and_faults(seed: int, gpu: int, cpu: int, policy: str, fail_rate: float,
-                                            wait: bool) -> None:
-    check_run(seed, policy, gpu, cpu, fail_rate, wait, num_requests=20, max_delay_s=0.001)
+                                            wait: bool, eviction: str) -> None:
+    check_run(seed, policy, gpu, cpu, fail_rate, wait, num_requests=20, max_delay_s=0.001, eviction=eviction)
 
 
 @pytest.mark.soak
@@ -94,4 +96,4 @@ def test_soak(store_policy: str) -> None:
     for seed in range(100, 100 + int(os.environ.get("OFFLOAD_SOAK_SEEDS", "60"))):
         check_run(seed, store_policy, num_gpu_blocks=16 + seed % 24, num_cpu_blocks=3 + seed % 50,
                   fail_rate=(seed % 4) * 0.1, wait_for_loads=seed % 2 == 0, num_requests=80,
-                  abort_fraction=0.2, max_delay_s=0.004)
+                  abort_fraction=0.2, max_delay_s=0.004, eviction="arc" if seed % 3 == 0 else "lru")

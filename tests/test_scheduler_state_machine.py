@@ -25,10 +25,11 @@ class Running:
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["eager", "lazy"]), world_size=st.sampled_from([1, 2]),
-                num_cpu_blocks=st.integers(2, 12))
-    def setup(self, policy, world_size, num_cpu_blocks):
+                num_cpu_blocks=st.integers(2, 12), eviction=st.sampled_from(["lru", "arc"]))
+    def setup(self, policy, world_size, num_cpu_blocks, eviction):
         self.sched, self.gpu = make_scheduler(num_gpu_blocks=24, num_cpu_blocks=num_cpu_blocks,
-                                              block_size=BS, world_size=world_size, store_policy=policy)
+                                              block_size=BS, world_size=world_size, store_policy=policy,
+                                              eviction=eviction)
         self.world_size = world_size
         self.reqs: dict[str, Running] = {}
         self.sent_loads: list[str] = []  # requests whose load was handed to the workers

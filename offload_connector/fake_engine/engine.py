@@ -55,7 +55,7 @@ class FakeEngine:
             self.worker.register_kv_caches(self.model.kv_caches, num_gpu_blocks=eng.num_gpu_blocks)
             self.connector = OffloadScheduler(
                 config, eng.block_size, self.worker.num_cpu_blocks, self.gpu.view,
-                max_blocks_per_step=None)
+                max_blocks_per_step=None, num_gpu_blocks=eng.num_gpu_blocks)
         self.gpu.pool.on_evict = self._on_gpu_evict
         self.scheduler = EngineScheduler(eng, self.gpu, self.connector, self.stats, self.model.release)
         self.outputs: dict[str, list[int]] = {}  # finished request id -> generated tokens
