@@ -27,6 +27,7 @@ GAUGES = ("cpu_pool_usage", "cpu_blocks_cached", "cpu_blocks_total")
 
 _DOCS = {
     "num_lookups": "CPU-tier lookups (one per request admission attempt)",
+    "num_deferred_lookups": "lookups deferred a step so the GPU could save what the admission evicts (lazy)",
     "num_lookup_tokens": "prompt tokens looked up in the CPU tier (after the GPU prefix hit)",
     "num_hit_tokens": "tokens loaded from the CPU tier instead of being recomputed",
     "num_loaded_blocks": "blocks loaded CPU->GPU",
@@ -34,7 +35,7 @@ _DOCS = {
     "num_store_skipped_blocks": "stores skipped because the CPU pool was pinned full",
     "num_failed_store_blocks": "blocks whose store failed",
     "num_failed_load_blocks": "blocks whose load failed (recomputed by vLLM)",
-    "num_cpu_evictions": "CPU-tier blocks evicted (LRU)",
+    "num_cpu_evictions": "CPU-tier blocks evicted (LRU or ARC)",
     "bytes_stored": "bytes stored GPU->CPU (all ranks)",
     "bytes_loaded": "bytes loaded CPU->GPU (all ranks)",
     "store_seconds": "seconds spent in stores (all ranks)",

@@ -93,7 +93,8 @@ class OffloadScheduler:
         """CPU hit after the engine's GPU hit: (tokens to load, load is async), or (None, False) to retry.
 
         The hit is the longest run of consecutive cached blocks starting at the GPU hit, capped so that at
-        least one prompt token is still computed. Its CPU blocks are pinned until allocation.
+        least one prompt token is still computed. Its CPU blocks are pinned until allocation. The store
+        policy may defer the request a step (None) so that the GPU saves what its allocation would evict.
         """
         state = self._requests.get(request.request_id)
         if state is None:
@@ -124,6 +125,10 @@ class OffloadScheduler:
                     self._note_misses(hashes, i, last)
                 break
             hits.append(block)
+        if not self.policy.may_admit(state, len(hits)):
+            state.lookup_pending = False
+            self.stats.num_deferred_lookups += 1
+            return None, False  # its allocation would evict GPU blocks not saved yet: ask again next step
         if not hits:
             return 0, False
         self.cpu_pool.touch(hits)

@@ -52,6 +52,7 @@ class RequestState:
     lookup_pending: bool = False  # looked up, not allocated since (the next allocation admits it)
     pending_hit: PendingHit | None = None  # at most one; never together with an unfinished `load`
     load: LoadJob | None = None  # at most one load job in flight
+    num_deferrals: int = 0  # lookups the store policy deferred to the next step (lazy: at most one)
     finished: bool = False  # the engine is done with the request; delete once `load` is None
 
     @property

@@ -12,6 +12,7 @@ from operator import attrgetter
 @dataclass(slots=True)
 class SchedulerStats:
     num_lookups: int = 0
+    num_deferred_lookups: int = 0  # lazy: lookups answered "retry next step" so unsaved blocks are saved
     num_lookup_tokens: int = 0  # tokens looked up (after the GPU hit)
     num_hit_tokens: int = 0  # tokens the engine accepted to load from the CPU tier
     num_loaded_blocks: int = 0

@@ -7,7 +7,9 @@
   blocks return to their place in the GPU free queue (LRU order is kept), and CPU copies of blocks that
   were just loaded to the GPU, or that an admitted request hit on the GPU, are forgotten and go to the head of
   the CPU free queue (the GPU holds them now; the tiers stay mostly exclusive) while the CPU tier is under
-  pressure (it evicted within the last `PRESSURE_STEPS` steps); without pressure they are kept. Cost per step: O(lookahead); per admission O(GPU-hit blocks).
+  pressure (it evicted within the last `PRESSURE_STEPS` steps); without pressure they are kept. A request
+  whose allocation would evict unsaved blocks (a burst beyond the lookahead) is deferred one step, once,
+  while this step's store saves them. Cost per step: O(lookahead); per admission O(blocks allocated).
 
 A policy never allocates; the scheduler allocates CPU blocks for what it selects.
 """
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 
 
 PRESSURE_STEPS = 64  # lazy: steps after a CPU eviction during which the tier counts as under pressure
+MAX_DEFERRALS = 1  # lazy: steps a request may be deferred so that its allocation evicts only saved blocks
 LOOKAHEAD_FACTOR = 2.0  # lazy lookahead / recent peak per-step allocation (loads included)
 
 
@@ -40,6 +43,10 @@ class StorePolicy:
 
     def on_allocated(self, state: RequestState, num_gpu_hit_blocks: int) -> None:
         """The engine allocated the request's blocks; its first `num_gpu_hit_blocks` were GPU hits."""
+
+    def may_admit(self, state: RequestState, num_cpu_hit_blocks: int) -> bool:
+        """At lookup (GPU hit known, CPU hit found): may the engine allocate now? False: retry next step."""
+        return True
 
     def on_blocks_allocated(self, num_blocks: int) -> None:
         """The engine took `num_blocks` blocks from its free queue this step (new blocks, loads included)."""
@@ -115,6 +122,7 @@ class LazyStorePolicy(StorePolicy):
         self._steps = 0  # select_stores calls (engine steps)
         self._evictions_seen = 0  # the CPU pool's LRU eviction count at the last step
         self._last_eviction_step = -PRESSURE_STEPS - 1  # the last step that saw a CPU eviction
+        self._deficit = 0  # blocks that admissions deferred this step need saved by its store event
         self._p_inflight = 0.0  # how often a store event outlasted the next step's allocations (EMA)
 
     @property
@@ -155,6 +163,32 @@ class LazyStorePolicy(StorePolicy):
     def on_blocks_allocated(self, num_blocks: int) -> None:
         self._step_alloc += num_blocks
 
+    def may_admit(self, state: RequestState, num_cpu_hit_blocks: int) -> bool:
+        """Defer a request (once) whose allocation would reach past the saved part of the GPU frontier.
+
+        The lookahead covers a typical step; one admission can take more (a long prompt, a large CPU hit,
+        which allocates outside the token budget). Its allocation happens right after this lookup, so the
+        free queue is exactly what it will draw from: if an unsaved cached block lies within the blocks it
+        takes, answer "next step" and add its need to this step's stores. Cost O(blocks it allocates).
+        """
+        if state.num_deferrals >= MAX_DEFERRALS:
+            return True
+        req, bs = state.request, self.sched.block_size
+        rest = -(-req.num_tokens // bs) - state.num_gpu_hit_blocks - num_cpu_hit_blocks
+        bound = self.sched.max_blocks_per_step
+        need = num_cpu_hit_blocks + (rest if bound is None else min(rest, bound))
+        if need <= 0:
+            return True
+        is_saved = self._is_saved
+        for n, (_, key) in enumerate(self.sched.gpu_pool.eviction_candidates()):
+            if n >= need:
+                return True
+            if key is not None and not is_saved(key):
+                state.num_deferrals += 1
+                self._deficit += need
+                return False
+        return True  # a shorter free queue: the allocation waits anyway, or takes only saved blocks
+
     def select_stores(self) -> tuple[list[int], list[bytes]]:
         self._steps += 1
         evictions = self.sched.cpu_pool.num_evictions
@@ -175,7 +209,8 @@ class LazyStorePolicy(StorePolicy):
             outstanding = event in self.sched._store_events
             self._p_inflight = 0.8 * self._p_inflight + (0.2 if outstanding else 0.0)
         pick_cost = 1.0 - self._p_inflight
-        budget = float(self.lookahead)
+        budget = float(self.lookahead + self._deficit)
+        self._deficit = 0
         room = self.sched.cpu_pool.num_free_blocks - len(gpu_ids)
         for gpu_id, key in self.sched.gpu_pool.eviction_candidates():
             if budget <= 0:

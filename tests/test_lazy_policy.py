@@ -102,3 +102,49 @@ def test_lazy_holds_a_finished_requests_blocks_when_the_pool_is_nearly_full():
     sched.update_connector_output(report(completed_store_events=[meta.store_event]))
     assert sched.is_idle() and gpu.num_held_blocks() == 0
     assert sched.get_num_new_matched_tokens(FakeRequest("B", list(range(9)), BS), 0) == (8, True)
+
+
+def test_lazy_defers_an_admission_that_would_evict_unsaved_blocks_once():
+    """A burst larger than the lookahead: the request waits one step while that step's store saves the
+    blocks its allocation takes; it is deferred at most once."""
+    sched, gpu = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=20, block_size=BS,
+                                store_policy="lazy", lazy_lookahead_blocks=1)
+    a_ids = compute_and_free(sched, gpu, FakeRequest("A", list(range(8)), BS))  # 2 cached blocks
+    gpu.touch([gpu.blocks[i] for i in (3, 4, 5, 6, 7)])  # the frontier is now 8, then A's 2 and 1
+    meta = sched.build_connector_meta([])
+    assert meta.store_gpu_blocks == []  # block 8 holds nothing; A's are beyond the 1-block lookahead
+    big = FakeRequest("B", list(range(100, 111)), BS)  # 3 blocks: 8, then A's two, unsaved
+    assert sched.get_num_new_matched_tokens(big, 0) == (None, False)
+    assert sched.stats.num_deferred_lookups == 1
+    meta = sched.build_connector_meta([])
+    assert sorted(meta.store_gpu_blocks) == sorted(a_ids)  # the deferred need is stored this step
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    assert sched.get_num_new_matched_tokens(big, 0) == (0, False)  # now it may evict them: saved
+    for k in (0, 1):
+        assert sched.is_saved(with_group_id(FakeRequest("A", list(range(8)), BS).block_hashes[k]))
+
+
+def test_lazy_defers_a_request_at_most_once():
+    sched, gpu = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=2, block_size=BS,
+                                store_policy="lazy", lazy_lookahead_blocks=1)
+    compute_and_free(sched, gpu, FakeRequest("A", list(range(8)), BS))
+    gpu.touch([gpu.blocks[i] for i in (3, 4, 5, 6, 7, 8)])
+    big = FakeRequest("B", list(range(100, 108)), BS)
+    assert sched.get_num_new_matched_tokens(big, 0) == (None, False)
+    meta = sched.build_connector_meta([])  # one CPU block (plus the null one): only one can be saved
+    assert len(meta.store_gpu_blocks) == 1
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    assert sched.get_num_new_matched_tokens(big, 0) == (0, False)  # admitted although one stays unsaved
+    sched.check_integrity()
+
+
+def test_eager_never_defers():
+    sched, gpu = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=20, block_size=BS, store_policy="eager")
+    a = FakeRequest("A", list(range(8)), BS)
+    _, _, ids = admit(sched, gpu, a)
+    for gpu_id, h in zip(ids, a.block_hashes, strict=True):
+        gpu.cache(gpu.blocks[gpu_id], with_group_id(h))
+    sched.request_finished(a)
+    gpu.free([gpu.blocks[i] for i in reversed(ids)])  # cached and never stored: eager stores on compute
+    gpu.touch([gpu.blocks[i] for i in (3, 4, 5, 6, 7)])
+    assert sched.get_num_new_matched_tokens(FakeRequest("B", list(range(100, 111)), BS), 0) == (0, False)
