@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--gpu-blocks", type=_positive, metavar="N", help="override engine.num_gpu_blocks")
     rp.add_argument("--cpu-blocks", type=_positive, metavar="N", help="override num_cpu_blocks")
     rp.add_argument("--store-policy", choices=["eager", "lazy"], help="override store_policy")
+    rp.add_argument("--eviction", choices=["lru", "arc"], help="override eviction (the CPU tier's replacement)")
+    rp.add_argument("--max-num-seqs", type=_positive, metavar="N",
+                    help="override engine.max_num_seqs (1: one request at a time, like the trace's references)")
     rp.add_argument("--scaled", action="store_true",
                     help="one trace block = one engine block (block_size tokens per hash id, outputs scaled "
                          "alike): full traces replay in minutes (always on for the bundled trace unless "
@@ -76,7 +79,8 @@ def _replay(args: argparse.Namespace) -> int:
         gpu_blocks = gpu_blocks or BUNDLED_GPU_BLOCKS
         cpu_blocks = cpu_blocks or BUNDLED_CPU_BLOCKS
     config = replay_config(args.config, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
-                           store_policy=args.store_policy)
+                           store_policy=args.store_policy, eviction=args.eviction,
+                           max_num_seqs=args.max_num_seqs)
     trace = args.trace or str(bundled_trace_path())
     requests = read_trace(trace, limit=args.limit)
     bar = None if args.quiet else ProgressBar()

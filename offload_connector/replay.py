@@ -47,6 +47,8 @@ class ReplayResult:
             trace=self.trace,
             scaled=self.scaled,
             store_policy=self.config.store_policy,
+            eviction=self.config.eviction,
+            max_num_seqs=eng.max_num_seqs,
             gpu_blocks=eng.num_gpu_blocks,
             cpu_blocks=self.num_cpu_blocks,
             block_size=eng.block_size,
@@ -57,12 +59,20 @@ class ReplayResult:
 
 
 def replay_config(config: str | Path | Mapping[str, Any] | None = None, *, gpu_blocks: int | None = None,
-                  cpu_blocks: int | None = None, store_policy: str | None = None) -> OffloadConfig:
+                  cpu_blocks: int | None = None, store_policy: str | None = None, eviction: str | None = None,
+                  max_num_seqs: int | None = None) -> OffloadConfig:
     """The replay's config: the file (or mapping, or the embedded default) with the overrides applied."""
     data = config_source_dict(config)
     override: dict[str, Any] = {}
+    engine: dict[str, Any] = {}
     if gpu_blocks is not None:
-        override["engine"] = {"num_gpu_blocks": gpu_blocks}
+        engine["num_gpu_blocks"] = gpu_blocks
+    if max_num_seqs is not None:
+        engine["max_num_seqs"] = max_num_seqs
+    if engine:
+        override["engine"] = engine
+    if eviction is not None:
+        override["eviction"] = eviction
     if cpu_blocks is not None:
         override["num_cpu_blocks"] = cpu_blocks
     if store_policy is not None:

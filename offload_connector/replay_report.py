@@ -38,7 +38,7 @@ def format_report(result: ReplayResult) -> str:
     lines = [
         f"offload-connector replay: {result.trace}{' (scaled)' if result.scaled else ''}",
         f"  engine      {d['gpu_blocks']} GPU blocks x {d['block_size']} tokens, {d['cpu_blocks']} CPU blocks, "
-        f"store policy {d['store_policy']}",
+        f"store policy {d['store_policy']}, eviction {d['eviction']}, up to {d['max_num_seqs']} requests at once",
         f"  requests    {s.requests} ({s.finished_requests} finished, {s.aborted_requests} aborted, "
         f"{s.rejected_requests} rejected as too long)",
         f"  prompt      {s.prompt_tokens:,} tokens",
@@ -96,7 +96,7 @@ def write_plot(result: ReplayResult, path: str | Path, window: int = 100) -> Non
     ax.set_xlabel("request (admission order)")
     ax.set_ylabel(f"prompt tokens hit (moving window of {w} requests)")
     ax.set_ylim(0, 1)
-    ax.set_title(f"{Path(result.trace).name}: store policy {result.config.store_policy}, "
+    ax.set_title(f"{Path(result.trace).name}: {result.config.store_policy}/{result.config.eviction}, "
                  f"{result.config.engine.num_gpu_blocks} GPU / {result.num_cpu_blocks} CPU blocks")
     ax.legend(loc="upper left")
     fig.tight_layout()

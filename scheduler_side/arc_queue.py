@@ -133,12 +133,12 @@ class ArcFreeQueue:
         self._remember(key)
 
     def on_cached(self, block: Block, key: bytes) -> None:
-        """`block` now holds `key` (normally held: stores cache blocks before releasing them). A key still
-        among the ghosts was computed again after leaving the CPU: reused, like a ghost hit."""
-        ghost = self.b1 if key in self.b1 else self.b2 if key in self.b2 else None
-        if ghost is not None:
-            del ghost[key]
-        block.reused = ghost is not None or key in self.recent
+        """`block` now holds `key` (normally held: stores cache blocks before releasing them). A ghost of the
+        key is dropped without counting as reuse: a lazy tier stores a block again when the GPU frees it
+        again, which says nothing of requests (those count at lookup and allocation)."""
+        self.b1.pop(key, None)
+        self.b2.pop(key, None)
+        block.reused = key in self.recent
         if block.seg != HELD:  # cached while free: file it under its new list
             self.remove(block)
             self.append(block)

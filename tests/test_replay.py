@@ -56,6 +56,8 @@ def test_config_file_and_overrides(tmp_path: Path) -> None:
     assert config.store_policy == "lazy" and config.engine.block_size == 8
     assert config.engine.num_gpu_blocks == 100 and config.num_cpu_blocks == 50
     assert replay_config(cfg, gpu_blocks=64, store_policy="eager").engine.num_gpu_blocks == 64
+    over = replay_config(cfg, eviction="arc", max_num_seqs=1)
+    assert over.eviction == "arc" and over.engine.max_num_seqs == 1 and over.engine.block_size == 8
 
 
 def test_bad_config_exits_2_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
