@@ -3,7 +3,7 @@
 Replays the bundled Mooncake synthetic trace (`--scaled`, one trace block = one engine block) through the
 fake engine with the connector, the same `run_replay` the `offload-connector replay` command calls, with a
 fixed GPU pool (`--gpu-blocks`, default 2,196 = 5% of the trace's 43,924 distinct blocks) and a range of
-CPU sizes, for both store policies. Combined hit ratio = (gpu_hit_tokens + cpu_hit_tokens) / prompt_tokens.
+CPU sizes, for both store policies under both CPU evictions (lru, arc). Combined hit ratio = (gpu_hit_tokens + cpu_hit_tokens) / prompt_tokens.
 A replay with integrity errors or leaked blocks fails the benchmark.
 
 References (traces README: blocks hit / blocks requested, one request at a time, a request hits its longest
@@ -14,7 +14,8 @@ The simulator must reproduce the README's table (LRU 2,196 -> 15.7%, 4,392 -> 26
 script stops. The `*_last` variants never count a request's last block as a hit, as the engine must
 compute at least one prompt token (scaled prompts end on a block boundary).
 
-One extra point per policy runs one request at a time (`engine.max_num_seqs: 1`) at `--one-at-a-time-cpu`.
+Extra points at `--one-at-a-time-cpu`: every series one request at a time (`engine.max_num_seqs: 1`), and
+the engine's own ceiling for an exclusive tier: no CPU tier and a GPU of GPU + CPU blocks, both ways.
 
     nice python benchmarks/bench_hit_ratio.py [--json] [--plot [FILE]] [--jobs 2] [--from-json FILE]
 """
@@ -40,7 +41,7 @@ from offload_connector.trace import bundled_trace_path, read_trace  # noqa: E402
 
 DEFAULT_GPU_BLOCKS = 2196
 DEFAULT_CPU_SIZES = (2, 1098, 2196, 4392, 6588, 8784, 13176, 17568, 35136)  # 2: the smallest allowed (block 0 is null)
-POLICIES = ("eager", "lazy")
+SERIES = (("eager", "lru"), ("lazy", "lru"), ("eager", "arc"), ("lazy", "arc"))  # (store_policy, eviction)
 # traces README: (cache blocks, hit ratio); the simulator must match each to +-0.3 points.
 README_REFERENCES = ((2196, 0.157), (4392, 0.262), (2196 + 4392, 0.335))
 README_TOLERANCE = 0.003
@@ -134,7 +135,8 @@ def _replay_point(point: dict[str, Any]) -> dict[str, Any]:
     from offload_connector.replay import replay_config, run_replay
 
     config = replay_config(point.get("config"), gpu_blocks=point["gpu_blocks"],
-                           cpu_blocks=point["cpu_blocks"], store_policy=point["policy"])
+                           cpu_blocks=point["cpu_blocks"], store_policy=point["policy"],
+                           eviction=point["eviction"])
     trace = str(bundled_trace_path())
     result = run_replay(config, read_trace(trace), scaled=True, trace_name=trace)
     d = result.to_dict()
@@ -142,6 +144,8 @@ def _replay_point(point: dict[str, Any]) -> dict[str, Any]:
     return {
         "label": point["label"],
         "policy": point["policy"],
+        "eviction": point["eviction"],
+        "kind": point.get("kind", "replay"),
         "gpu_blocks": d["gpu_blocks"],
         "cpu_blocks": d["cpu_blocks"],
         "max_num_seqs": config.engine.max_num_seqs,
@@ -155,6 +159,8 @@ def _replay_point(point: dict[str, Any]) -> dict[str, Any]:
         "rejected_requests": d["rejected_requests"],
         "num_preemptions": d["num_preemptions"],
         "steps": d["steps"],
+        "gpu_evictions_unsaved": d["gpu_evictions_unsaved"],
+        "deferred_lookups": d["connector"].get("num_deferred_lookups", 0),
         "error": d["error"],
         "wall_seconds": d["wall_seconds"],
     }
@@ -162,7 +168,7 @@ def _replay_point(point: dict[str, Any]) -> dict[str, Any]:
 
 def run_points(points: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
     # Slowest first (small CPU tiers compute more; one-at-a-time runs take many steps) to pack two workers.
-    order = sorted(points, key=lambda p: (p.get("config") is None, p["cpu_blocks"]))
+    order = sorted(points, key=lambda p: (p.get("config") is None, p["cpu_blocks"] if p.get("kind") != "ceiling" else 0))
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         results = list(pool.map(_replay_point, order))
     bad = [r for r in results if r["integrity_errors"] or r["leaked_blocks"] or r["error"]]
@@ -189,21 +195,20 @@ def format_table(out: dict[str, Any]) -> str:
     distinct = out["distinct_blocks"]
     lines = [f"hit ratio vs CPU size: bundled Mooncake trace (scaled), GPU {out['gpu_blocks']} blocks "
              f"({out['gpu_blocks'] / distinct:.0%} of {distinct:,} distinct); combined = GPU + CPU hits",
-             f"{'CPU blocks':>10} {'%dist':>6} | {'eager':>6} {'(gpu+cpu)':>13} | {'lazy':>6} {'(gpu+cpu)':>13} | "
-             f"{'incl':>6} {'excl':>6} | {'incl*':>6} {'excl*':>6}"]
-    by = {(r["policy"], r["cpu_blocks"]): r for r in out["replays"]}
+             f"{'CPU blocks':>10} {'%dist':>6} | " + " | ".join(f"{p + '/' + e:>9}" for p, e in SERIES)
+             + f" | {'incl':>6} {'excl':>6} | {'incl*':>6} {'excl*':>6}"]
+    by = {(r["policy"], r["eviction"], r["cpu_blocks"]): r for r in out["replays"]}
     for row in out["references"]:
         cpu = row["cpu_blocks"]
-        cells = []
-        for policy in POLICIES:
-            r = by.get((policy, cpu))
-            cells.append(f"{r['hit_ratio']:6.1%} ({r['gpu_hit_ratio']:5.1%}+{r['cpu_hit_ratio']:5.1%})"
-                         if r else f"{'-':>6} {'':>13}")
-        lines.append(f"{cpu:>10} {cpu / distinct:6.1%} | {cells[0]} | {cells[1]} | {row['inclusive']:6.1%} "
+        cells = [f"{by[(p, e, cpu)]['hit_ratio']:9.1%}" if (p, e, cpu) in by else f"{'-':>9}" for p, e in SERIES]
+        lines.append(f"{cpu:>10} {cpu / distinct:6.1%} | " + " | ".join(cells) + f" | {row['inclusive']:6.1%} "
                      f"{row['exclusive']:6.1%} | {row['inclusive_last']:6.1%} {row['exclusive_last']:6.1%}")
     for r in out["one_at_a_time"]:
-        lines.append(f"one request at a time (max_num_seqs 1), {r['policy']:5}, CPU {r['cpu_blocks']}: "
+        lines.append(f"one request at a time (max_num_seqs 1), {r['policy']}/{r['eviction']}, CPU {r['cpu_blocks']}: "
                      f"{r['hit_ratio']:.1%} ({r['gpu_hit_ratio']:.1%} GPU + {r['cpu_hit_ratio']:.1%} CPU)")
+    for r in out.get("ceilings", []):
+        lines.append(f"engine ceiling of an exclusive LRU tier (GPU {r['gpu_blocks']}, no CPU tier), up to "
+                     f"{r['max_num_seqs']} at once: {r['hit_ratio']:.1%}")
     lines.append("incl/excl: LRU references (README); incl*/excl*: same, a request's last block never hits")
     lines.append(f"all replays clean (0 integrity errors, 0 leaked blocks); {out['wall_seconds']:.0f} s")
     return "\n".join(lines)
@@ -224,15 +229,21 @@ def write_plot(out: dict[str, Any], path: str) -> None:
     ax.plot(xs, [c["inclusive"] for c in curve], color="#8172b2", lw=1.8,
             label="inclusive reference (LRU of max(GPU, CPU))")
     styles = {"eager": ("#4c72b0", "o"), "lazy": ("#dd8452", "s")}
-    for policy in POLICIES:
-        rows = sorted((r for r in out["replays"] if r["policy"] == policy), key=lambda r: r["cpu_blocks"])
+    for policy, eviction in SERIES:
+        rows = sorted((r for r in out["replays"] if (r["policy"], r["eviction"]) == (policy, eviction)),
+                      key=lambda r: r["cpu_blocks"])
+        if not rows:
+            continue
         color, marker = styles[policy]
         ax.plot([r["cpu_blocks"] for r in rows], [r["hit_ratio"] for r in rows], color=color, marker=marker,
-                lw=2, label=f"replay, {policy} stores (up to {rows[0]['max_num_seqs']} requests at once)")
+                lw=2 if eviction == "arc" else 1.2, ls="-" if eviction == "arc" else ":",
+                label=f"replay, {policy}/{eviction} (up to {rows[0]['max_num_seqs']} requests at once)")
     for r in out["one_at_a_time"]:
+        if r["eviction"] != "arc":
+            continue
         color, marker = styles[r["policy"]]
         ax.plot([r["cpu_blocks"]], [r["hit_ratio"]], color=color, marker=marker, ms=10, mfc="none", mew=2,
-                ls="none", label=f"replay, {r['policy']}, one request at a time")
+                ls="none", label=f"replay, {r['policy']}/arc, one request at a time")
     ax.axhline(out["infinite_cache_hit_ratio"], color="grey", lw=1, ls="--",
                label=f"infinite cache ({out['infinite_cache_hit_ratio']:.1%})")
     # Linear below half the GPU size (the smallest CPU tier sits at the left edge), log2 above.
@@ -285,13 +296,15 @@ def main() -> int:
     refs = References(requests, gpu)
     curve = [refs.at(c, with_last=False) for c in reference_grid(args.cpu_sizes, gpu)]
     with tempfile.TemporaryDirectory() as tmp:
-        points = [{"label": f"{p} cpu={c}", "policy": p, "gpu_blocks": gpu, "cpu_blocks": c}
-                  for p in POLICIES for c in args.cpu_sizes]
+        points = [{"label": f"{p}/{e} cpu={c}", "policy": p, "eviction": e, "gpu_blocks": gpu, "cpu_blocks": c}
+                  for p, e in SERIES for c in args.cpu_sizes]
         if args.one_at_a_time_cpu:
-            cfg = one_at_a_time_config(tmp)
-            points += [{"label": f"{p} cpu={args.one_at_a_time_cpu} max_num_seqs=1", "policy": p,
-                        "gpu_blocks": gpu, "cpu_blocks": args.one_at_a_time_cpu, "config": cfg}
-                       for p in POLICIES]
+            cfg, cpu1 = one_at_a_time_config(tmp), args.one_at_a_time_cpu
+            points += [{"label": f"{p}/{e} cpu={cpu1} max_num_seqs=1", "policy": p, "eviction": e,
+                        "gpu_blocks": gpu, "cpu_blocks": cpu1, "config": cfg} for p, e in SERIES]
+            points += [{"label": f"ceiling gpu={gpu + cpu1}{' max_num_seqs=1' if c else ''}", "policy": "eager",
+                        "eviction": "lru", "kind": "ceiling", "gpu_blocks": gpu + cpu1, "cpu_blocks": 2,
+                        "config": c} for c in (None, cfg)]
         results = run_points(points, args.jobs)
     out: dict[str, Any] = {
         "trace": str(bundled_trace_path()),
@@ -301,9 +314,10 @@ def main() -> int:
         "blocks_requested": sum(len(r) for r in requests),
         "infinite_cache_hit_ratio": lru_hit_ratio(requests, distinct),
         "readme_check": {str(k): v for k, v in readme.items()},
-        "replays": sorted((r for r in results if r["max_num_seqs"] != 1),
-                          key=lambda r: (r["policy"], r["cpu_blocks"])),
-        "one_at_a_time": [r for r in results if r["max_num_seqs"] == 1],
+        "replays": sorted((r for r in results if r["max_num_seqs"] != 1 and r["kind"] == "replay"),
+                          key=lambda r: (r["policy"], r["eviction"], r["cpu_blocks"])),
+        "one_at_a_time": [r for r in results if r["max_num_seqs"] == 1 and r["kind"] == "replay"],
+        "ceilings": [r for r in results if r["kind"] == "ceiling"],
         "references": [refs.at(c) for c in args.cpu_sizes],
         "reference_curve": curve,
         "wall_seconds": time.perf_counter() - start,

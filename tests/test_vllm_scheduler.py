@@ -161,9 +161,10 @@ def tokens(seed: int, n: int) -> list[int]:
     return [100 + (seed * 37 + i * 11) % 800 for i in range(n)]
 
 
-@pytest.mark.parametrize("policy", ["eager", "lazy"])
-def test_cpu_hit_loads_then_computes_only_uncached_tokens(policy: str) -> None:
-    sim = Sim(num_gpu_blocks=6, store_policy=policy)  # 5 usable GPU blocks: one 64-token request fills them
+@pytest.mark.parametrize(("policy", "eviction"), [("eager", "lru"), ("lazy", "lru"), ("lazy", "arc")])
+def test_cpu_hit_loads_then_computes_only_uncached_tokens(policy: str, eviction: str) -> None:
+    # 5 usable GPU blocks: one 64-token request fills them
+    sim = Sim(num_gpu_blocks=6, store_policy=policy, eviction=eviction)
     prefix = tokens(1, 48)
     # 1. A runs; its full blocks are stored to the CPU tier (eager: as they are computed; lazy: when it
     #    finishes, since the nearly full GPU pool would evict them at the next allocation).
