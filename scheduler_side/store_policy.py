@@ -168,8 +168,9 @@ class LazyStorePolicy(StorePolicy):
 
         The lookahead covers a typical step; one admission can take more (a long prompt, a large CPU hit,
         which allocates outside the token budget). Its allocation happens right after this lookup, so the
-        free queue is exactly what it will draw from: if an unsaved cached block lies within the blocks it
-        takes, answer "next step" and add its need to this step's stores. Cost O(blocks it allocates).
+        free queue is exactly what it will draw from: if unsaved cached blocks lie within the blocks it
+        takes and the CPU tier has room for them, answer "next step" and add its need to this step's
+        stores. Cost O(blocks it allocates).
         """
         if state.num_deferrals >= MAX_DEFERRALS:
             return True
@@ -179,15 +180,18 @@ class LazyStorePolicy(StorePolicy):
         need = num_cpu_hit_blocks + (rest if bound is None else min(rest, bound))
         if need <= 0:
             return True
-        is_saved = self._is_saved
+        is_saved, unsaved = self._is_saved, 0
         for n, (_, key) in enumerate(self.sched.gpu_pool.eviction_candidates()):
             if n >= need:
-                return True
+                break
             if key is not None and not is_saved(key):
-                state.num_deferrals += 1
-                self._deficit += need
-                return False
-        return True  # a shorter free queue: the allocation waits anyway, or takes only saved blocks
+                unsaved += 1
+        # Worth a step only if the CPU tier can take them (a tiny tier would defer in vain).
+        if unsaved == 0 or unsaved > self.sched.cpu_pool.num_free_blocks:
+            return True
+        state.num_deferrals += 1
+        self._deficit += need
+        return False
 
     def select_stores(self) -> tuple[list[int], list[bytes]]:
         self._steps += 1
@@ -251,14 +255,18 @@ class LazyStorePolicy(StorePolicy):
     def on_request_finished(self, state: RequestState) -> None:
         """Blocks freed now are scanned only at the next step's metadata, after that step's allocations.
         When the free queue is shorter than the lookahead, those allocations could evict them unsaved: hold
-        them (one reference each) until the next store event takes them."""
+        them (one reference each) until the next store event takes them, as many as the CPU tier has room
+        for (holding what cannot be stored would only shrink the GPU's free queue)."""
         pool = self.sched.gpu_pool
-        if pool.num_free_blocks() >= self.lookahead:
+        room = self.sched.cpu_pool.num_free_blocks - len(self._held)
+        if pool.num_free_blocks() >= self.lookahead or room <= 0:
             return
         hashes = state.request.block_hashes
         n = min(state.num_computed_tokens // self.sched.block_size, len(hashes), len(state.gpu_block_ids))
         ids = []
         for i in range(n):
+            if len(ids) >= room:
+                break
             key = with_group_id(hashes[i], self.sched.group_id)
             gpu_id = state.gpu_block_ids[i]
             if gpu_id == 0 or key in self._held or self._is_saved(key):

@@ -125,17 +125,27 @@ def test_lazy_defers_an_admission_that_would_evict_unsaved_blocks_once():
 
 
 def test_lazy_defers_a_request_at_most_once():
-    sched, gpu = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=2, block_size=BS,
+    sched, gpu = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=20, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=1)
     compute_and_free(sched, gpu, FakeRequest("A", list(range(8)), BS))
     gpu.touch([gpu.blocks[i] for i in (3, 4, 5, 6, 7, 8)])
     big = FakeRequest("B", list(range(100, 108)), BS)
     assert sched.get_num_new_matched_tokens(big, 0) == (None, False)
-    meta = sched.build_connector_meta([])  # one CPU block (plus the null one): only one can be saved
-    assert len(meta.store_gpu_blocks) == 1
-    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
-    assert sched.get_num_new_matched_tokens(big, 0) == (0, False)  # admitted although one stays unsaved
+    meta = sched.build_connector_meta([])
+    assert len(meta.store_gpu_blocks) == 2
+    sched.update_connector_output(report(failed_store_events=[meta.store_event]))  # still unsaved
+    assert sched.get_num_new_matched_tokens(big, 0) == (0, False)  # admitted anyway: deferred once only
+    assert sched.stats.num_deferred_lookups == 1
     sched.check_integrity()
+
+
+def test_lazy_does_not_defer_for_blocks_the_cpu_tier_cannot_take():
+    sched, gpu = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=2, block_size=BS,  # one usable CPU block
+                                store_policy="lazy", lazy_lookahead_blocks=1)
+    compute_and_free(sched, gpu, FakeRequest("A", list(range(8)), BS))
+    gpu.touch([gpu.blocks[i] for i in (3, 4, 5, 6, 7, 8)])
+    assert sched.get_num_new_matched_tokens(FakeRequest("B", list(range(100, 108)), BS), 0) == (0, False)
+    assert sched.stats.num_deferred_lookups == 0
 
 
 def test_eager_never_defers():
