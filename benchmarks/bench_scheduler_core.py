@@ -28,10 +28,11 @@ from offload_connector.metadata import WorkerReport  # noqa: E402
 from scheduler_side import BlockPool, BlockPoolGpuView, OffloadScheduler, StepRequest  # noqa: E402
 
 
-def run(num_requests: int, steps: int, policy: str, block_size: int = 16, prompt_blocks: int = 32) -> dict:
+def run(num_requests: int, steps: int, policy: str, block_size: int = 16, prompt_blocks: int = 32,
+        eviction: str = "lru") -> dict:
     rng = random.Random(0)
     gpu = BlockPool(num_requests * (prompt_blocks + steps // block_size + 4) + 1)
-    cfg = load_config({"num_cpu_blocks": 20_000, "store_policy": policy})
+    cfg = load_config({"num_cpu_blocks": 20_000, "store_policy": policy, "eviction": eviction})
     sched = OffloadScheduler(cfg, block_size, 20_000, BlockPoolGpuView(gpu),
                              max_blocks_per_step=2 * num_requests)
     shared = [rng.randrange(50_000) for _ in range(prompt_blocks * block_size)]
@@ -97,7 +98,7 @@ def run(num_requests: int, steps: int, policy: str, block_size: int = 16, prompt
             completed_store_events=[] if meta.store_event is None else [meta.store_event]))
         timed += time.perf_counter() - t0
     sched.check_integrity()
-    return {"requests": num_requests, "steps": steps, "policy": policy,
+    return {"requests": num_requests, "steps": steps, "policy": policy, "eviction": eviction,
             "us_per_step": round(timed / steps * 1e6, 1),
             "stored_blocks": sched.stats.num_stored_blocks, "loaded_blocks": sched.stats.num_loaded_blocks}
 
@@ -107,11 +108,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--policy", choices=["eager", "lazy"], default="eager")
+    ap.add_argument("--eviction", choices=["lru", "arc"], default="lru")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    out = run(args.requests, args.steps, args.policy)
+    out = run(args.requests, args.steps, args.policy, eviction=args.eviction)
     print(json.dumps(out) if args.json else
-          f"{out['us_per_step']} us/step with {out['requests']} running requests ({out['policy']}, "
+          f"{out['us_per_step']} us/step with {out['requests']} running requests ({out['policy']}/{out['eviction']}, "
           f"{out['steps']} steps; {out['stored_blocks']} blocks stored, {out['loaded_blocks']} loaded)")
 
 
