@@ -100,6 +100,8 @@ class OffloadScheduler:
         if state is None:
             state = self._requests[request.request_id] = RequestState(request)
         elif state.load is not None:
+            if state.finished:  # a new request reuses the id of a finished one whose load is still in flight
+                return None, False  # ask again once that load is done and its state is gone
             raise SchedulerError(f"lookup for request {request.request_id} while its load is in flight")
         self._drop_pending_hit(state)
         state.finished = False

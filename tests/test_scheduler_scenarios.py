@@ -155,6 +155,21 @@ def test_abort_while_loading():
     assert_idle(sched, gpu)
 
 
+def test_request_id_reused_while_the_old_load_is_in_flight_waits():
+    sched, gpu = make_scheduler(block_size=BS)
+    store_prefix(sched, gpu, FakeRequest("A", list(range(40)), BS))
+    b = FakeRequest("B", list(range(40)), BS)
+    _, _, ids = admit(sched, gpu, b)
+    sched.build_connector_meta([])
+    finish(sched, gpu, b, ids)  # aborted while loading
+    again = FakeRequest("B", list(range(40)), BS)  # a new request under the same id
+    assert sched.get_num_new_matched_tokens(again, 0) == (None, False)  # ask again: no crash
+    sched.update_connector_output(report(finished_load_reqs=["B"]))
+    assert sched.get_num_new_matched_tokens(again, 0) == (32, True)
+    sched.update_state_after_alloc(again, [], 0)
+    assert_idle(sched, gpu)
+
+
 def test_abort_before_metadata_still_sends_the_load():
     sched, gpu = make_scheduler(block_size=BS)
     store_prefix(sched, gpu, FakeRequest("A", list(range(40)), BS))
