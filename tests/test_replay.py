@@ -36,6 +36,14 @@ def test_scaled_replay_json_has_the_contract_keys_and_cpu_hits(capsys: pytest.Ca
     assert out["prompt_tokens"] == out["gpu_hit_tokens"] + out["cpu_hit_tokens"] + out["computed_prompt_tokens"]
 
 
+def test_lazy_arc_one_at_a_time_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    out = run_json(capsys, "--scaled", "--limit", "300", "--gpu-blocks", "200", "--cpu-blocks", "300",
+                   "--store-policy", "lazy", "--eviction", "arc", "--max-num-seqs", "1")
+    assert out["eviction"] == "arc" and out["max_num_seqs"] == 1 and out["store_policy"] == "lazy"
+    assert out["integrity_errors"] == 0 and out["leaked_blocks"] == 0 and out["cpu_hit_tokens"] > 0
+    assert out["steps"] >= out["requests"]  # one request at a time: at least a step each
+
+
 def test_unscaled_replay_of_a_few_requests(capsys: pytest.CaptureFixture[str]) -> None:
     out = run_json(capsys, "--full-size", "--limit", "3")
     assert out["requests"] == 3 and out["scaled"] is False
