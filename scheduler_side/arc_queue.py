@@ -18,6 +18,7 @@ Which list a free block is in is `Block.seg` (0 when held); only this class sets
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterator
 
@@ -64,14 +65,25 @@ class ArcFreeQueue:
         return block
 
     def popleft_n(self, n: int) -> list[Block]:
+        """`n` blocks, as `n` calls of `popleft` would take them, moved in at most four runs."""
         if n > self.num_free_blocks:
             raise RuntimeError(f"ArcFreeQueue.popleft_n({n}) with {self.num_free_blocks} free (caller must check)")
-        k = min(n, self.empty.num_free_blocks)
-        out = self.empty.popleft_n(k)
+        out = self.empty.popleft_n(min(n, self.empty.num_free_blocks))
+        n -= len(out)
+        if n:
+            t1 = self.t1.num_free_blocks
+            from_t1 = min(n, t1, max(0, t1 - math.floor(self.p)))  # popleft takes t1 while t1 > p
+            from_t2 = min(n - from_t1, self.t2.num_free_blocks)
+            rest = n - from_t1 - from_t2  # t2 ran out: the rest from t1
+            for lst, ghosts, k in ((self.t1, self.b1, from_t1), (self.t2, self.b2, from_t2),
+                                   (self.t1, self.b1, rest)):
+                if k:
+                    run = lst.popleft_n(k)
+                    for block in run:
+                        self._ghost(ghosts, block.block_hash)
+                    out.extend(run)
         for block in out:
             block.seg = HELD
-        for _ in range(n - k):
-            out.append(self.popleft())
         return out
 
     def append(self, block: Block) -> None:
@@ -85,8 +97,14 @@ class ArcFreeQueue:
         block.seg = seg
 
     def append_n(self, blocks: list[Block]) -> None:
+        runs: tuple[list[Block], list[Block], list[Block], list[Block]] = ([], [], [], [])
         for block in blocks:
-            self.append(block)
+            seg = self._segment(block)
+            block.seg = seg
+            runs[seg].append(block)
+        for seg in (EMPTY, T1, T2):
+            if runs[seg]:
+                self._lists[seg].append_n(runs[seg])
 
     def prepend_n(self, blocks: list[Block]) -> None:
         for block in reversed(blocks):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from helpers import FakeRequest, admit, make_scheduler
 from hypothesis import settings
@@ -228,3 +230,40 @@ def test_scheduler_feeds_arc_with_hits_and_misses() -> None:
     p_before = q.p
     assert sched.get_num_new_matched_tokens(FakeRequest("again", others[0], bs), 0) == (0, False)
     assert q.p > p_before and first_key(others[0]) in q.recent and first_key(others[0]) not in q.b1
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_batched_allocation_takes_what_one_at_a_time_would(seed: int) -> None:
+    """ARC's batched `popleft_n` takes what n calls of `popleft` would, under the same traffic: same
+    blocks, same ghosts, same target, at every step."""
+    rng = random.Random(seed)
+    batched, single = (BlockPool(13, eviction="arc", history=16) for _ in range(2))
+    q = single.free_queue
+    q.popleft_n = lambda n: [q.popleft() for _ in range(n)]  # the reference: one `popleft` at a time
+    next_key = 100
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.5:  # a store of n new blocks; some keys come back later
+            n = rng.randint(1, 12)
+            keys = [key(rng.randrange(40) if rng.random() < 0.5 else next_key + i) for i in range(n)]
+            next_key += n
+            got = batched.allocate(n)
+            want = single.allocate(n)
+            assert (None if got is None else [b.block_id for b in got]) == (
+                None if want is None else [b.block_id for b in want])
+            for pool, blocks in ((batched, got), (single, want)):
+                for block, k in zip(blocks or [], keys, strict=False):
+                    pool.cache(block, k)
+                pool.free(blocks or [])
+        elif op < 0.75:
+            k = key(rng.randrange(40))
+            batched.note_reuse(k)
+            single.note_reuse(k)
+        else:
+            ghosts = list(batched.free_queue.b1) + list(batched.free_queue.b2)
+            k = rng.choice(ghosts) if ghosts and rng.random() < 0.8 else key(rng.randrange(200))
+            batched.note_miss(k)
+            single.note_miss(k)
+        qb, qs = batched.free_queue, single.free_queue
+        assert (list(qb.b1), list(qb.b2), qb.p) == (list(qs.b1), list(qs.b2), qs.p)
+        assert [b.block_id for b in qb] == [b.block_id for b in qs]
