@@ -115,6 +115,15 @@ def runs() -> dict:
     results["corrupted_loaded"] = connector.offload.stats.num_loaded_blocks - loaded_before
     close(llm)
 
+    lazy = KVTransferConfig(
+        kv_connector="OffloadConnector", kv_connector_module_path="offload_connector.vllm_connector",
+        kv_role="kv_both", kv_connector_extra_config={"cpu_bytes": "64MiB", "store_policy": "lazy",
+                                                      "eviction": "arc"})
+    llm = make_llm(lazy)
+    results["lazy_arc"] = [generate(llm, p) for p in SHARED]
+    results["lazy_arc_stats"] = llm.llm_engine.engine_core.engine_core.scheduler.connector.offload.stats.snapshot()
+    close(llm)
+
     llm = make_llm(None)
     results["plain"] = [generate(llm, p) for p in SHARED]
     results["plain_sens"] = [generate(llm, p) for p in SENSITIVITY]
@@ -148,3 +157,11 @@ def test_outputs_depend_on_the_loaded_bytes(runs: dict) -> None:
     assert runs["offload_sens"] == runs["plain_sens"]
     assert runs["corrupted_loaded"] > 0
     assert runs["offload_corrupted"] != runs["plain_corrupted"]
+
+
+def test_lazy_arc_outputs_match_and_its_blocks_come_back(runs: dict) -> None:
+    """The recommended hit-ratio setting: stores only near vLLM's eviction frontier, ARC on the CPU."""
+    assert runs["lazy_arc"] == runs["plain"]
+    stats = runs["lazy_arc_stats"]
+    assert stats["num_stored_blocks"] > 0 and stats["num_loaded_blocks"] > 0
+    assert stats["num_failed_load_blocks"] == 0 and stats["num_failed_store_blocks"] == 0
