@@ -116,7 +116,6 @@ class OffloadScheduler:
         last = min(len(hashes), (request.num_tokens - 1) // bs)  # keep >= 1 token to compute
         hits: list[Block] = []
         cached, group = self.cpu_pool.cached, self.group_id
-        i = first
         for i in range(first, last):
             key = with_group_id(hashes[i], group)
             block = cached.get(key)

@@ -139,12 +139,17 @@ def test_preempt_then_resume_from_cpu():
     assert_idle(sched, gpu)
 
 
-def test_abort_while_loading():
+def b_loading_a_prefix():
+    """A's 2 full blocks are on the CPU; B (same 40 tokens) was admitted and its load sent this step."""
     sched, gpu = make_scheduler(block_size=BS)
     store_prefix(sched, gpu, FakeRequest("A", list(range(40)), BS))
     b = FakeRequest("B", list(range(40)), BS)
     _, _, ids = admit(sched, gpu, b)
-    meta = sched.build_connector_meta([])
+    return sched, gpu, b, ids, sched.build_connector_meta([])
+
+
+def test_abort_while_loading():
+    sched, gpu, b, ids, meta = b_loading_a_prefix()
     # 1. aborted with the load in flight: the engine frees its blocks, the load's references remain.
     finish(sched, gpu, b, ids)
     assert [gpu.blocks[i].ref_cnt for i in ids[:2]] == [1, 1]
@@ -156,11 +161,7 @@ def test_abort_while_loading():
 
 
 def test_request_id_reused_while_the_old_load_is_in_flight_waits():
-    sched, gpu = make_scheduler(block_size=BS)
-    store_prefix(sched, gpu, FakeRequest("A", list(range(40)), BS))
-    b = FakeRequest("B", list(range(40)), BS)
-    _, _, ids = admit(sched, gpu, b)
-    sched.build_connector_meta([])
+    sched, gpu, b, ids, _ = b_loading_a_prefix()
     finish(sched, gpu, b, ids)  # aborted while loading
     again = FakeRequest("B", list(range(40)), BS)  # a new request under the same id
     assert sched.get_num_new_matched_tokens(again, 0) == (None, False)  # ask again: no crash
@@ -258,11 +259,7 @@ def test_tensor_parallel_events_need_every_rank():
 
 
 def test_failed_load_releases_blocks_and_counts():
-    sched, gpu = make_scheduler(block_size=BS)
-    store_prefix(sched, gpu, FakeRequest("A", list(range(40)), BS))
-    b = FakeRequest("B", list(range(40)), BS)
-    _, _, ids = admit(sched, gpu, b)
-    meta = sched.build_connector_meta([])
+    sched, gpu, b, ids, meta = b_loading_a_prefix()
     sched.update_connector_output(report(finished_load_reqs=["B"], failed_load_gpu_blocks=meta.load_gpu_blocks))
     assert sched.stats.num_failed_load_blocks == 2
     finish(sched, gpu, b, ids)
