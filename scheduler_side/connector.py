@@ -78,7 +78,7 @@ class OffloadScheduler:
         self.cpu_pool = BlockPool(self.num_cpu_blocks, on_evict=self._on_cpu_evict,
                                   eviction=self.config.eviction,
                                   history=self.num_cpu_blocks + (self.num_gpu_blocks or self.num_cpu_blocks))
-        self._arc = self.config.eviction == "arc"
+        self._arc = self.cpu_pool.eviction == "arc"  # ARC hints cost a loop per lookup; LRU needs none
         self._requests: dict[str, RequestState] = {}
         self._loads_to_send: list[RequestState] = []  # load jobs created since the last metadata
         self._store_events: dict[int, StoreEvent] = {}
