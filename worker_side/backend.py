@@ -2,11 +2,16 @@
 
 A job copies `src_ids[i]` to `dst_ids[i]` for every registered tensor; `kind` says the direction (store:
 engine KV cache -> host pool; load: host pool -> engine KV cache). Contract for implementations:
-- `bind()` is called once, before any `submit()`, with the engine tensors' and the host pool's views.
+- `numa_node(device_views)` may name the host NUMA node the pool should live on (None: anywhere); then the
+  worker allocates the `HostPool` and calls `bind()` once, before any `submit()`. `bind` pins the pool
+  where the backend needs it, synchronously (vLLM captures CUDA graphs right after registration).
 - `submit()` never blocks on the copy; each submitted job produces exactly one `JobResult`, returned by
   exactly one `poll()` call, after its copies finished (or failed). A failed job lists the destination
   block ids whose bytes are not valid (all of them when unsure).
 - `wait(job_ids)` blocks until those jobs have finished (their results are still returned by `poll()`).
+- `sync_loads`: whether the engine thread should wait for a step's loads in `get_finished` (CPU: the copy
+  is the only work in flight, and waiting makes a CPU hit resume the next step) or only poll (CUDA: loads
+  overlap the forward and the engine thread never blocks on them).
 - `shutdown()` lets copies already running finish, fails queued ones, and is idempotent.
 Shared bookkeeping (segments, job records, reports) lives outside the backends so CPU and CUDA agree.
 """
@@ -19,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-import torch
 
 from worker_side.block_layout import TensorBlockView
+from worker_side.host_pool import HostPool
 
 JobKind = Literal["load", "store"]
 
@@ -56,14 +61,23 @@ class TransferBackend(abc.ABC):
     """Moves block bytes between the engine's KV tensors and the host pool."""
 
     name: str = "abstract"
+    sync_loads: bool = True
+
+    def numa_node(self, device_views: list[TensorBlockView]) -> int | None:
+        """The host NUMA node the pool should prefer (the GPU's), or None."""
+        return None
 
     @abc.abstractmethod
-    def allocate_host_pool(self, nbytes: int) -> torch.Tensor:
-        """Exactly `nbytes` uint8 bytes of host memory (pinned where the backend needs it)."""
+    def bind(self, device_views: list[TensorBlockView], pool: HostPool) -> None:
+        """Remember the engine tensors' and the host pool's block geometry (same order); pin the pool."""
 
-    @abc.abstractmethod
-    def bind(self, device_views: list[TensorBlockView], host_views: list[TensorBlockView]) -> None:
-        """Remember the engine tensors' and the host pool's block geometry (same order, same shapes)."""
+    def begin_step(self) -> None:
+        """A step begins: its forward is about to be launched (vLLM's bind_connector_metadata)."""
+        return  # nothing to fence on backends without a compute stream
+
+    def end_step(self) -> None:
+        """The step's transfers are submitted and its completions collected."""
+        return
 
     @abc.abstractmethod
     def submit(self, job: CopyJob) -> None:

@@ -1,10 +1,14 @@
 """Turn a job's block-id pairs into byte segments: the logic every backend shares.
 
-`coalesce_runs` merges pairs whose source and destination ids both advance by one into runs;
-`build_segments` turns runs into `(dst_ptr, src_ptr, nbytes)` arrays, one segment per run for tensors whose
-runs are contiguous, else one per block chunk; `split_segments` cuts the segments into `n` shards of about
-equal bytes for parallel workers. All arrays are numpy int64; nothing here touches tensor memory, so the
-plan the CPU backend executes in CI is the plan the CUDA backend submits.
+`CopyGeometry` is built once per direction when the backend binds: for every *plane* (one chunk of one
+tensor, see block_layout and host_pool) the source and destination base pointers and block strides, so a
+job's segments come from a handful of numpy operations over all planes at once, never a Python loop over
+tensors or blocks. `coalesce_runs` merges pairs whose source and destination ids both advance by one into
+runs (cut where the host pool's registrations are cut); a plane whose consecutive blocks sit back to back on
+both sides (`block_stride == chunk_bytes`: every vLLM layout, and the host pool's chunk-major planes) gets
+one segment per run, any other plane one per block. `split_segments` cuts segments into `n` shards of
+about equal bytes for parallel workers. All arrays are numpy int64; nothing here touches tensor memory, so
+the plan the CPU backend executes in CI is the plan the CUDA backend submits.
 """
 
 from __future__ import annotations
@@ -32,43 +36,94 @@ class Segments:
         return int(self.nbytes.sum())
 
 
-def coalesce_runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(src_starts, dst_starts, lengths) of maximal runs where both ids advance by one."""
+_EMPTY = np.zeros(0, np.int64)
+
+
+def coalesce_runs(src_ids: np.ndarray, dst_ids: np.ndarray, cut_every: int | None = None,
+                  cut_src: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(src_starts, dst_starts, lengths) of maximal runs where both ids advance by one.
+
+    With `cut_every`, a run also ends where the destination ids (the source ids with `cut_src`) cross a
+    multiple of `cut_every`: the host pool's registration cuts."""
     if len(src_ids) == 0:
-        empty = np.zeros(0, np.int64)
-        return empty, empty, empty
-    breaks = np.flatnonzero((np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
+        return _EMPTY, _EMPTY, _EMPTY
+    brk = (np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)
+    if cut_every is not None:
+        host = src_ids if cut_src else dst_ids
+        brk |= (host[1:] % cut_every) == 0
+    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
     lengths = np.diff(np.concatenate((starts, [len(src_ids)])))
     return src_ids[starts], dst_ids[starts], lengths
 
 
+@dataclass(frozen=True, slots=True)
+class _PlaneGroup:
+    """Planes that are all run-contiguous or all not: bases and strides as (P, 1) columns."""
+    runs: bool
+    src_base: np.ndarray
+    dst_base: np.ndarray
+    src_stride: np.ndarray
+    dst_stride: np.ndarray
+    chunk_bytes: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class CopyGeometry:
+    """Where every plane's blocks live on the source and the destination side of one copy direction."""
+    groups: tuple[_PlaneGroup, ...]
+    cut_every: int | None = None  # host registration cut (rows), on the destination side unless cut_src
+    cut_src: bool = False
+
+    @staticmethod
+    def build(src_views: Sequence[TensorBlockView], dst_views: Sequence[TensorBlockView],
+              cut_every: int | None = None, cut_src: bool = False) -> CopyGeometry:
+        cols: dict[bool, list[tuple[int, int, int, int, int]]] = {True: [], False: []}
+        for sv, dv in zip(src_views, dst_views, strict=True):
+            if sv.num_chunks != dv.num_chunks or sv.chunk_bytes != dv.chunk_bytes:
+                raise WorkerInvariantError(
+                    f"tensor {sv.name!r}: source and destination block geometry differ ({sv.num_chunks} x "
+                    f"{sv.chunk_bytes} vs {dv.num_chunks} x {dv.chunk_bytes} bytes); our bug")
+            runs = sv.block_stride == sv.chunk_bytes and dv.block_stride == dv.chunk_bytes
+            for s_off, d_off in zip(sv.chunk_offsets.tolist(), dv.chunk_offsets.tolist(), strict=True):
+                cols[runs].append((sv.base_ptr + s_off, dv.base_ptr + d_off, sv.block_stride, dv.block_stride,
+                                   sv.chunk_bytes))
+        groups = []
+        for runs, rows in cols.items():
+            if rows:
+                a = np.array(rows, np.int64).T[:, :, None]  # 5 x P x 1
+                groups.append(_PlaneGroup(runs, a[0], a[1], a[2], a[3], a[4]))
+        return CopyGeometry(tuple(groups), cut_every, cut_src)
+
+    @property
+    def num_planes(self) -> int:
+        return sum(len(g.src_base) for g in self.groups)
+
+    def segments(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> Segments:
+        """Byte segments copying block src_ids[i] to dst_ids[i] in every plane."""
+        if len(src_ids) == 0 or not self.groups:
+            return Segments(_EMPTY, _EMPTY, _EMPTY)
+        dsts, srcs, sizes = [], [], []
+        runs = None
+        for g in self.groups:
+            if g.runs:
+                if runs is None:
+                    runs = coalesce_runs(src_ids, dst_ids, self.cut_every, self.cut_src)
+                s_start, d_start, lengths = runs
+            else:
+                s_start, d_start, lengths = src_ids, dst_ids, np.ones(len(src_ids), np.int64)
+            srcs.append((g.src_base + s_start * g.src_stride).ravel())
+            dsts.append((g.dst_base + d_start * g.dst_stride).ravel())
+            sizes.append((lengths * g.chunk_bytes).ravel())
+        if len(sizes) == 1:
+            return Segments(dsts[0], srcs[0], sizes[0])
+        return Segments(np.concatenate(dsts), np.concatenate(srcs), np.concatenate(sizes))
+
+
 def build_segments(src_views: Sequence[TensorBlockView], dst_views: Sequence[TensorBlockView],
                    src_ids: np.ndarray, dst_ids: np.ndarray) -> Segments:
-    """Byte segments copying block src_ids[i] to dst_ids[i] in every (src, dst) tensor pair."""
-    src_starts, dst_starts, lengths = coalesce_runs(src_ids, dst_ids)
-    dsts, srcs, sizes = [], [], []
-    for sv, dv in zip(src_views, dst_views, strict=True):
-        if sv.block_bytes != dv.block_bytes or sv.chunk_bytes != dv.chunk_bytes:
-            raise WorkerInvariantError(f"tensor {sv.name!r}: source and destination block geometry differ "
-                             f"({sv.block_bytes}/{sv.chunk_bytes} vs {dv.block_bytes}/{dv.chunk_bytes}); our bug")
-        if sv.runs_are_contiguous and dv.runs_are_contiguous:
-            srcs.append(sv.base_ptr + src_starts * sv.block_stride)
-            dsts.append(dv.base_ptr + dst_starts * dv.block_stride)
-            sizes.append(lengths * sv.block_bytes)
-            continue
-        # one segment per (block, chunk); the host side's chunks sit back to back
-        s_blocks, d_blocks = src_ids, dst_ids
-        s_base = (sv.base_ptr + s_blocks * sv.block_stride)[:, None] + sv.chunk_offsets[None, :]
-        d_base = (dv.base_ptr + d_blocks * dv.block_stride)[:, None] + dv.chunk_offsets[None, :]
-        srcs.append(s_base.ravel())
-        dsts.append(d_base.ravel())
-        sizes.append(np.full(s_base.size, sv.chunk_bytes, np.int64))
-    if not sizes:
-        empty = np.zeros(0, np.int64)
-        return Segments(empty, empty, empty)
-    return Segments(np.concatenate(dsts).astype(np.int64), np.concatenate(srcs).astype(np.int64),
-                    np.concatenate(sizes).astype(np.int64))
+    """Byte segments copying block src_ids[i] to dst_ids[i] in every (src, dst) tensor pair (one-off use)."""
+    return CopyGeometry.build(src_views, dst_views).segments(np.asarray(src_ids, np.int64),
+                                                            np.asarray(dst_ids, np.int64))
 
 
 def split_segments(segments: Segments, num_shards: int, min_piece: int = 256 * 1024) -> list[Segments]:

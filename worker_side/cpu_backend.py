@@ -23,12 +23,12 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from worker_side.backend import CopyJob, JobResult, TransferBackend
 from worker_side.block_layout import TensorBlockView
-from worker_side.copy_plan import Segments, build_segments, split_segments
+from worker_side.copy_plan import CopyGeometry, Segments, split_segments
 from worker_side.errors import BackendError, WorkerClosedError, WorkerInvariantError
+from worker_side.host_pool import HostPool
 
 _PRIORITY = {"load": 0, "store": 1}
 _memmove = ctypes.memmove
@@ -81,8 +81,7 @@ class CpuBackend(TransferBackend):
             raise BackendError(f"num_threads={num_threads}; allowed: >= 1")
         self.num_threads = num_threads
         self.min_shard_bytes = min_shard_bytes
-        self._device_views: list[TensorBlockView] | None = None
-        self._host_views: list[TensorBlockView] = []
+        self._geometry: dict[str, CopyGeometry] | None = None  # per direction, set by bind
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._lock = threading.Condition()
@@ -94,23 +93,18 @@ class CpuBackend(TransferBackend):
         for t in self._threads:
             t.start()
 
-    def allocate_host_pool(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def bind(self, device_views: list[TensorBlockView], host_views: list[TensorBlockView]) -> None:
+    def bind(self, device_views: list[TensorBlockView], pool: HostPool) -> None:
         for v in device_views:
             if v.tensor.device.type != "cpu":
                 raise BackendError(f"the cpu transfer backend needs CPU KV tensors; {v.name!r} is on "
                                  f"{v.tensor.device}; allowed: transfer.backend 'cuda' or 'auto' for GPU tensors")
-        self._device_views, self._host_views = list(device_views), list(host_views)
+        self._geometry = {"store": CopyGeometry.build(device_views, pool.views),
+                          "load": CopyGeometry.build(pool.views, device_views)}
 
     def submit(self, job: CopyJob) -> None:
-        if self._device_views is None:
+        if self._geometry is None:
             raise WorkerClosedError("CpuBackend.submit before bind(): register the KV caches first")
-        if job.kind == "store":
-            segs = build_segments(self._device_views, self._host_views, job.src_ids, job.dst_ids)
-        else:
-            segs = build_segments(self._host_views, self._device_views, job.src_ids, job.dst_ids)
+        segs = self._geometry[job.kind].segments(job.src_ids, job.dst_ids)
         shards = split_segments(segs, self.num_threads, self.min_shard_bytes)
         with self._lock:
             if self._closed:

@@ -19,11 +19,11 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from worker_side.backend import CopyJob, JobResult, TransferBackend
 from worker_side.block_layout import TensorBlockView
 from worker_side.errors import WorkerInvariantError
+from worker_side.host_pool import HostPool
 
 INJECTED = "injected failure"
 
@@ -62,11 +62,21 @@ class FaultyBackend(TransferBackend):
             return True
         return self.fail_rate > 0 and self._rng.random() < self.fail_rate
 
-    def allocate_host_pool(self, nbytes: int) -> torch.Tensor:
-        return self.inner.allocate_host_pool(nbytes)
+    @property
+    def sync_loads(self) -> bool:  # type: ignore[override]
+        return self.inner.sync_loads
 
-    def bind(self, device_views: list[TensorBlockView], host_views: list[TensorBlockView]) -> None:
-        self.inner.bind(device_views, host_views)
+    def numa_node(self, device_views: list[TensorBlockView]) -> int | None:
+        return self.inner.numa_node(device_views)
+
+    def bind(self, device_views: list[TensorBlockView], pool: HostPool) -> None:
+        self.inner.bind(device_views, pool)
+
+    def begin_step(self) -> None:
+        self.inner.begin_step()
+
+    def end_step(self) -> None:
+        self.inner.end_step()
 
     def submit(self, job: CopyJob) -> None:
         delay = self.delay_s(job) if callable(self.delay_s) else self.delay_s

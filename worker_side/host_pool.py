@@ -1,25 +1,36 @@
-"""The host pool: one flat uint8 buffer holding `num_cpu_blocks` blocks of every registered tensor.
+"""The host pool: one page-aligned uint8 buffer holding `num_cpu_blocks` blocks of every registered tensor.
 
-Layout: one region per registered tensor, in registration order; region t is `num_cpu_blocks` rows of that
-tensor's `block_bytes`, so CPU block id == row index (row 0 is the reserved null block, allocated but never
-copied) and a run of consecutive CPU blocks is one contiguous byte range per tensor. A block's bytes are the
-concatenation of its rows across regions, which is what `pool[cpu_block_id]` returns.
+Layout, chunk-major: each registered tensor's blocks are `num_chunks` byte chunks (1 for block-first
+tensors, 2 for K/V-first, one per head for head-major views; see block_layout). The pool holds one *plane*
+per (tensor, chunk): `num_cpu_blocks` rows of `chunk_bytes`, row = CPU block id (row 0 is the reserved
+null block, allocated but never copied). So a run of consecutive CPU blocks is one contiguous byte range
+per plane, in every layout; whenever the engine's tensor also keeps that chunk of consecutive blocks
+adjacent (all of vLLM's layouts do), a run of blocks is one copy per plane, whatever the block count.
 
-Invariants: the buffer is exactly `num_cpu_blocks * bytes_per_block` bytes and is never resized; sizes are
-checked (>= 2 blocks, fits in MemAvailable) before anything is allocated. Only the backend's copies write it.
+Every plane starts on a page; registration ranges (`registration_ranges`) are whole planes merged up to
+`MAX_REGISTRATION_BYTES` (64 GiB: one `cudaHostRegister` over hundreds of GiB fails, vLLM #51080), and a
+plane larger than that is cut every `rows_per_registration` rows, a page-aligned row boundary. No page
+belongs to two ranges and, with runs cut at those rows (`copy_plan`), no copy straddles two.
+
+Invariants: the buffer is never resized; sizes are checked (>= 2 blocks, fits in MemAvailable) before
+anything is allocated. Only the backend's copies write it. `pool[cpu_block_id]` returns a block's bytes in
+tensor order, each tensor's chunks in order, whatever the physical layout.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from worker_side.block_layout import TensorBlockView
 from worker_side.errors import HostPoolError
+from worker_side.host_memory import PAGE_BYTES, align_up, allocate_host_buffer
 
 MEMINFO = "/proc/meminfo"
+MAX_REGISTRATION_BYTES = 64 << 30
 
 
 def mem_available_bytes(path: str = MEMINFO) -> int | None:
@@ -34,14 +45,15 @@ def mem_available_bytes(path: str = MEMINFO) -> int | None:
     return None
 
 
-def check_pool_size(num_cpu_blocks: int, bytes_per_block: int, available: int | None) -> int:
-    """Validate a pool size before allocating; return its bytes or raise HostPoolError."""
+def check_pool_size(num_cpu_blocks: int, bytes_per_block: int, available: int | None,
+                    buffer_bytes: int | None = None) -> int:
+    """Validate a pool size before allocating; return the bytes to allocate or raise HostPoolError."""
     if num_cpu_blocks < 2:
         raise HostPoolError(f"host pool of num_cpu_blocks={num_cpu_blocks} is too small; allowed: >= 2 "
                             "(block 0 is the reserved null block); raise cpu_bytes or num_cpu_blocks")
     if bytes_per_block <= 0:
         raise HostPoolError(f"bytes_per_block={bytes_per_block}; register non-empty KV caches first")
-    nbytes = num_cpu_blocks * bytes_per_block
+    nbytes = num_cpu_blocks * bytes_per_block if buffer_bytes is None else buffer_bytes
     if available is not None and nbytes > available:
         raise HostPoolError(
             f"host pool of {num_cpu_blocks} blocks x {bytes_per_block} bytes = {nbytes} bytes does not fit in "
@@ -50,32 +62,78 @@ def check_pool_size(num_cpu_blocks: int, bytes_per_block: int, available: int | 
     return nbytes
 
 
+@dataclass(frozen=True, slots=True)
+class _Plane:
+    offset: int  # bytes from the buffer start, a multiple of the page size
+    chunk_bytes: int
+
+    def padded_bytes(self, num_rows: int) -> int:
+        return align_up(num_rows * self.chunk_bytes, PAGE_BYTES)
+
+
+def rows_per_registration(chunk_sizes: Sequence[int], num_rows: int,
+                          max_bytes: int = MAX_REGISTRATION_BYTES) -> int | None:
+    """Rows after which every plane is cut into separate registrations, or None when no plane needs it.
+
+    A multiple of the rows that make a page for every plane's chunk size (so cuts fall on page
+    boundaries), with at most `max_bytes` per cut piece of the largest plane."""
+    largest = max(chunk_sizes)
+    if num_rows * largest <= max_bytes:
+        return None
+    step = max(PAGE_BYTES // int(np.gcd(PAGE_BYTES, c)) for c in chunk_sizes)
+    rows = (max_bytes // largest) // step * step
+    if rows < step:
+        raise HostPoolError(f"a KV chunk of {largest} bytes cannot fit a page-aligned registration of "
+                            f"{max_bytes} bytes (our limit); allowed: chunks below {max_bytes // step} bytes")
+    return rows
+
+
 class HostPool:
-    """Per-tensor regions over one exact-size host buffer; index it with a CPU block id."""
+    """Chunk-major planes over one page-aligned host buffer; index it with a CPU block id."""
 
     def __init__(self, views: Sequence[TensorBlockView], num_cpu_blocks: int,
-                 allocate: Callable[[int], torch.Tensor], available: int | None = None) -> None:
+                 allocate: Callable[[int], torch.Tensor] = allocate_host_buffer, available: int | None = None,
+                 max_registration_bytes: int | None = None) -> None:
+        if max_registration_bytes is None:
+            max_registration_bytes = MAX_REGISTRATION_BYTES  # read at call time (tests lower it)
         self.bytes_per_block = sum(v.block_bytes for v in views)
         self.num_blocks = num_cpu_blocks
-        nbytes = check_pool_size(num_cpu_blocks, self.bytes_per_block,
-                                 mem_available_bytes() if available is None else available)
-        buffer = allocate(nbytes)
-        if buffer.dtype != torch.uint8 or buffer.numel() != nbytes or buffer.device.type != "cpu":
-            raise HostPoolError(f"backend allocated {buffer.numel()} {buffer.dtype} on {buffer.device}; "
-                                f"expected exactly {nbytes} uint8 bytes on cpu (our bug)")
-        self.buffer = buffer
-        self.views: list[TensorBlockView] = []
+        planes: list[list[_Plane]] = []
         offset = 0
         for v in views:
-            region = buffer[offset:offset + num_cpu_blocks * v.block_bytes]
+            planes.append([])
+            for _ in range(v.num_chunks):
+                plane = _Plane(offset, v.chunk_bytes)
+                planes[-1].append(plane)
+                offset += plane.padded_bytes(num_cpu_blocks)
+        nbytes = check_pool_size(num_cpu_blocks, self.bytes_per_block,
+                                 mem_available_bytes() if available is None else available, buffer_bytes=offset)
+        self.rows_per_registration = rows_per_registration([v.chunk_bytes for v in views], num_cpu_blocks,
+                                                           max_registration_bytes)
+        self._max_registration_bytes = max_registration_bytes
+        buffer = allocate(nbytes)
+        if buffer.dtype != torch.uint8 or buffer.numel() != nbytes or buffer.device.type != "cpu":
+            raise HostPoolError(f"allocated {buffer.numel()} {buffer.dtype} on {buffer.device}; "
+                                f"expected exactly {nbytes} uint8 bytes on cpu (our bug)")
+        self.buffer = buffer
+        self._planes = [p for per_view in planes for p in per_view]
+        self.views: list[TensorBlockView] = []
+        for v, per_view in zip(views, planes, strict=True):
+            first, last = per_view[0], per_view[-1]
+            region = buffer[first.offset:last.offset + num_cpu_blocks * last.chunk_bytes]
             self.views.append(TensorBlockView(
                 name=v.name, tensor=region, num_blocks=num_cpu_blocks, base_ptr=region.data_ptr(),
-                block_stride=v.block_bytes, chunk_offsets=np.arange(v.num_chunks, dtype=np.int64) * v.chunk_bytes,
+                block_stride=v.chunk_bytes,
+                chunk_offsets=np.array([p.offset - first.offset for p in per_view], np.int64),
                 chunk_bytes=v.chunk_bytes))
-            offset += num_cpu_blocks * v.block_bytes
 
     @property
     def nbytes(self) -> int:
+        """Bytes of block data (`num_blocks * bytes_per_block`); the buffer adds page padding per plane."""
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def buffer_bytes(self) -> int:
         return self.buffer.numel()
 
     @property
@@ -86,8 +144,26 @@ class HostPool:
         return self.num_blocks
 
     def __getitem__(self, cpu_block_id: int) -> torch.Tensor:
-        """A copy of CPU block `cpu_block_id`'s bytes across all regions (uint8, bytes_per_block long)."""
+        """A copy of CPU block `cpu_block_id`'s bytes across all tensors (uint8, bytes_per_block long)."""
         if not 0 <= cpu_block_id < self.num_blocks:
             raise IndexError(f"cpu_block_id {cpu_block_id} out of range [0, {self.num_blocks})")
-        return torch.cat([v.tensor[cpu_block_id * v.block_bytes:(cpu_block_id + 1) * v.block_bytes]
-                          for v in self.views])
+        return torch.cat([v.block_tensor(cpu_block_id) for v in self.views])
+
+    def registration_ranges(self) -> list[tuple[int, int]]:
+        """(ptr, nbytes) ranges to pin: page-aligned, disjoint pages, each <= the registration limit."""
+        base, rows, limit = self.buffer.data_ptr(), self.rows_per_registration, self._max_registration_bytes
+        pieces: list[tuple[int, int]] = []  # (offset, padded bytes) in address order
+        for p in self._planes:
+            if rows is None:
+                pieces.append((p.offset, p.padded_bytes(self.num_blocks)))
+                continue
+            for first_row in range(0, self.num_blocks, rows):
+                n = min(rows, self.num_blocks - first_row)
+                pieces.append((p.offset + first_row * p.chunk_bytes, align_up(n * p.chunk_bytes, PAGE_BYTES)))
+        ranges: list[tuple[int, int]] = []
+        for offset, size in pieces:
+            if ranges and ranges[-1][0] + ranges[-1][1] == offset and ranges[-1][1] + size <= limit:
+                ranges[-1] = (ranges[-1][0], ranges[-1][1] + size)
+            else:
+                ranges.append((offset, size))
+        return [(base + off, size) for off, size in ranges]

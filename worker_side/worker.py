@@ -5,14 +5,16 @@ It registers the engine's KV tensors, allocates the host pool to match, turns ea
 
 Lifecycle and invariants:
 - `register_*` once, before any transfer; block id 0 of both tiers is never copied.
-- one job per (step, direction): `start_load` as early as the engine allows, `start_store` after the forward
-  wrote the blocks; the backend orders each against the compute stream where one exists.
+- per step: `begin_step()` before the forward is launched (the backend fences loads on the work launched
+  before it), then `start_load` / `start_store` (one job each, stores after the forward wrote the blocks;
+  the backend orders each against the compute stream where one exists), then `get_finished()`.
 - `_jobs` holds exactly the submitted jobs whose result has not been reported; each job is reported once:
   a load job lists its requests in `finished_load_reqs` (also when it failed: failed GPU blocks go to
   `failed_load_gpu_blocks`, and the engine recomputes them); a store job's event goes to
   `completed_store_events` or `failed_store_events`, never both.
-- `get_finished(wait_for_loads=True)` first waits for loads started since the previous call (one-step
-  resume) and never waits for stores. Metadata that breaks the `TransferMetadata` invariants raises
+- `get_finished(wait_for_loads=None)` waits for the loads started since the previous call when the backend
+  says so (`sync_loads`: the CPU backend, one-step resume), else only polls (CUDA: the engine thread never
+  blocks); it never waits for stores. Metadata that breaks the `TransferMetadata` invariants raises
   `WorkerInvariantError` before anything is submitted.
 """
 
@@ -33,6 +35,7 @@ from worker_side.backend import CopyJob, JobKind, JobResult, TransferBackend
 from worker_side.backend_select import make_backend
 from worker_side.block_layout import BLOCK_FIRST, TensorBlockView, tensor_block_view
 from worker_side.errors import LayoutError, WorkerClosedError, WorkerInvariantError
+from worker_side.host_memory import allocate_host_buffer
 from worker_side.host_pool import HostPool
 
 
@@ -83,8 +86,10 @@ class OffloadWorker:
                               "allowed: one block count and one device per worker (pass num_gpu_blocks)")
         bytes_per_block = sum(v.block_bytes for v in views)
         num_blocks = sized_num_cpu_blocks(self.config, bytes_per_block, self.world_size)
-        self._pool = HostPool(views, num_blocks, self.backend.allocate_host_pool)
-        self.backend.bind(views, self._pool.views)
+        node = self.backend.numa_node(views)
+        pool = HostPool(views, num_blocks, lambda nbytes: allocate_host_buffer(nbytes, node))
+        self.backend.bind(views, pool)  # pins the pool where the backend needs it, before any graph capture
+        self._pool = pool
         self._views, self._num_gpu_blocks = views, counts.pop()
 
     def register_cross_layer_kv_cache(self, tensor: torch.Tensor, num_gpu_blocks: int | None = None) -> None:
@@ -117,6 +122,11 @@ class OffloadWorker:
         return self._pool
 
     # ---- transfers ----------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Call before the step's forward is launched (vLLM: bind_connector_metadata)."""
+        if not self._closed and self._pool is not None:
+            self.backend.begin_step()
+
     def start_load(self, meta: TransferMetadata) -> None:
         """Issue this step's load (host pool -> KV cache) without waiting for it."""
         if meta.load_event is None:
@@ -173,12 +183,16 @@ class OffloadWorker:
         return job_id
 
     # ---- completions --------------------------------------------------------------------------------
-    def get_finished(self, wait_for_loads: bool = True) -> WorkerReport:
-        """Everything that finished since the previous call; optionally wait for this step's loads first."""
+    def get_finished(self, wait_for_loads: bool | None = None) -> WorkerReport:
+        """Everything that finished since the previous call; with `wait_for_loads` (default: the backend's
+        `sync_loads`) first wait for this step's loads."""
+        if wait_for_loads is None:
+            wait_for_loads = self.backend.sync_loads
         if wait_for_loads and self._loads_this_step:
             self.backend.wait([j for j in self._loads_this_step if j in self._jobs])
         self._loads_this_step = []
         results, self._instant = self._instant + self.backend.poll(), []
+        self.backend.end_step()
         report = WorkerReport()
         bytes_per_block = self._pool.bytes_per_block if self._pool is not None else 0
         for r in results:
