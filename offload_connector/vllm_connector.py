@@ -13,9 +13,11 @@ both in `vllm_messages.py`.
 
 Per-step order in vLLM 0.32 and what each hook does here:
   scheduler: get_num_new_matched_tokens -> update_state_after_alloc -> build_connector_meta
-  worker:    bind_connector_metadata -> forward launched -> start_load_kv (loads issued) -> wait_for_save
-             (stores issued, ordered after the forward) -> get_finished (waits for this step's loads, so a
-             CPU-hit request runs the step after admission) -> get_block_ids_with_load_errors
+  worker:    bind_connector_metadata (the backend fences this step's loads on the compute launched so
+             far) -> forward launched -> start_load_kv (loads issued; on CUDA they overlap the forward)
+             -> wait_for_save (stores issued, ordered after the forward) -> get_finished (the CPU backend
+             waits for this step's loads, so a CPU-hit request runs the step after admission; the CUDA
+             backend only polls, never blocking the engine thread) -> get_block_ids_with_load_errors
              -> build_connector_worker_meta (the rank's report)
   scheduler: update_connector_output (loads via vLLM's cross-rank `finished_recving`; store events via the
              reports, complete once every rank reported) -> request_finished / take_events / stats.
@@ -226,6 +228,11 @@ class OffloadConnector(KVConnectorBase_V1):
                 "must agree. Set num_cpu_blocks in the connector config to pin the count."
             )
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None:
+            self.worker.begin_step()  # before the forward is launched: loads fence on earlier compute only
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._bound()
         if meta is not None and meta.load_event is not None:
@@ -251,7 +258,7 @@ class OffloadConnector(KVConnectorBase_V1):
         return meta.transfer
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        report = self._work().get_finished(wait_for_loads=True)
+        report = self._work().get_finished()  # waits for loads only where the backend says (CPU)
         if self._report is None:
             self._report = report
         else:  # get_finished called twice before build_connector_worker_meta: keep both

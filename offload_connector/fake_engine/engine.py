@@ -3,10 +3,17 @@
 Step order, mirroring vLLM v1 (SPEC §4-§5):
 1. `EngineScheduler.schedule()` (GPU prefix lookup, connector lookup, allocation, `update_state_after_alloc`),
    then `OffloadScheduler.build_connector_meta` (scheduler side);
-2. worker side around the forward: `start_load(meta)`, fake-model forward (verify reads, write K/V),
-   `start_store(meta)`, `get_finished()`;
+2. worker side around the forward, in vLLM 0.32's order: `begin_step()` (bind_connector_metadata), the
+   fake-model forward launched on the compute queue (verify reads, write K/V), `start_load(meta)` (async
+   loads start after the forward launch), `start_store(meta)` (wait_for_save), `get_finished()`;
 3. back on the scheduler side: the forward's results, then `update_connector_output(report)`.
 With `connector=False` the same engine runs without any offloading (the reference for equal outputs).
+With `tp_size` > 1 each tensor-parallel rank has its own model (KV shard), compute queue, backend and
+worker (`compute` and `backend` then take one per rank); the connector counts each event once every rank
+reported it, and a load lets its request resume once every rank finished it (vLLM's aggregation).
+`compute` is where the forward runs: at once on the host (default), or on a simulated GPU's compute stream
+(`worker_side.cuda_sim.SimCompute`, with a `CudaBackend` over the same simulator), where the engine never
+waits for the forward, as with vLLM's async scheduling: transfers are ordered by their fences alone.
 
 `drain()` runs empty connector steps until every transfer is done and applied; `check()` then counts blocks still
 referenced (leaks) and runs every pool's `check_integrity()`. The engine owns the worker and shuts it down
@@ -19,10 +26,11 @@ import msgspec
 
 from offload_connector.config import OffloadConfig
 from offload_connector.fake_engine.gpu_cache import GpuCache
-from offload_connector.fake_engine.model import FakeModel
+from offload_connector.fake_engine.model import ComputeQueue, FakeModel
 from offload_connector.fake_engine.request import EngineRequest, RequestStatus
 from offload_connector.fake_engine.scheduler import EngineScheduler
 from offload_connector.fake_engine.stats import EngineStats
+from offload_connector.metadata import WorkerReport
 from scheduler_side import OffloadScheduler
 from worker_side import OffloadWorker, TransferBackend
 
@@ -33,29 +41,45 @@ class EngineStallError(RuntimeError):
     """The engine has unfinished requests but cannot make progress: a scheduling or ref-count bug."""
 
 
+def _per_rank(value: object, tp_size: int, what: str) -> list:
+    values = list(value) if isinstance(value, list | tuple) else [value] * tp_size
+    if len(values) != tp_size or (tp_size > 1 and value is not None and not isinstance(value, list | tuple)):
+        raise ValueError(f"FakeEngine: with tp_size={tp_size} pass `{what}` as a list of {tp_size} (one per rank)")
+    return values
+
+
 class FakeEngine:
-    def __init__(self, config: OffloadConfig, connector: bool = True, backend: TransferBackend | None = None,
-                 wait_for_loads: bool = True, sync_stores: bool = False) -> None:
+    def __init__(self, config: OffloadConfig, connector: bool = True,
+                 backend: TransferBackend | list[TransferBackend] | None = None, wait_for_loads: bool = True,
+                 sync_stores: bool = False, compute: ComputeQueue | list[ComputeQueue] | None = None,
+                 tp_size: int = 1) -> None:
         eng = config.engine
         if eng.num_cpu_blocks is not None and config.num_cpu_blocks is None:
             config = msgspec.structs.replace(config, num_cpu_blocks=eng.num_cpu_blocks)
         self.config = config
         self.block_size = eng.block_size
         self.stats = EngineStats()
-        self.model = FakeModel(eng)
+        computes, backends = _per_rank(compute, tp_size, "compute"), _per_rank(backend, tp_size, "backend")
+        self.models = [FakeModel(eng, compute=c, rank=r) for r, c in enumerate(computes)]
+        self.model = self.models[0]
         self.gpu = GpuCache(eng.num_gpu_blocks, eng.block_size)
         self.wait_for_loads = wait_for_loads
         # sync_stores: each step's stores complete before the next step is scheduled (deterministic
         # replays; on a GPU a step's stores finish well within the next step). Default: reported when done.
         self.sync_stores = sync_stores
-        self.worker: OffloadWorker | None = None
+        self.workers: list[OffloadWorker] = []
+        self.worker: OffloadWorker | None = None  # rank 0's
         self.connector: OffloadScheduler | None = None
         if connector:
-            self.worker = OffloadWorker(config, backend=backend)
-            self.worker.register_kv_caches(self.model.kv_caches, num_gpu_blocks=eng.num_gpu_blocks)
+            for rank, (model, rank_backend) in enumerate(zip(self.models, backends, strict=True)):
+                worker = OffloadWorker(config, world_size=tp_size, rank=rank, backend=rank_backend)
+                self.workers.append(worker)
+                worker.register_kv_caches(model.kv_caches, num_gpu_blocks=eng.num_gpu_blocks)
+            self.worker = self.workers[0]
             self.connector = OffloadScheduler(
-                config, eng.block_size, self.worker.num_cpu_blocks, self.gpu.view,
+                config, eng.block_size, self.worker.num_cpu_blocks, self.gpu.view, tp_size,
                 max_blocks_per_step=None, num_gpu_blocks=eng.num_gpu_blocks)
+        self._load_reports: dict[str, int] = {}  # request id -> ranks that finished its load so far
         self.gpu.pool.on_evict = self._on_gpu_evict
         self.scheduler = EngineScheduler(eng, self.gpu, self.connector, self.stats, self.model.release)
         self.outputs: dict[str, list[int]] = {}  # finished request id -> generated tokens
@@ -84,16 +108,19 @@ class FakeEngine:
         self.stats.steps += 1
         out = self.scheduler.schedule()
         meta = None
-        if self.connector is not None and self.worker is not None:
+        if self.connector is not None:
             meta = self.connector.build_connector_meta(out.step_requests)
-            self.worker.start_load(meta)
+        sampled: dict[str, int] = {}
         try:
-            sampled = self.model.forward(out.chunks)
+            for rank, model in enumerate(self.models):
+                if meta is not None:
+                    self.workers[rank].begin_step()
+                sampled = model.forward(out.chunks)  # every rank samples the same tokens
+                if meta is not None:
+                    self.workers[rank].start_load(meta)
+                    self.workers[rank].start_store(meta)
         finally:
-            self.stats.integrity_errors = self.model.num_integrity_errors
-            self.stats.verified_tokens = self.model.num_verified_tokens
-        if meta is not None and self.worker is not None:
-            self.worker.start_store(meta)
+            self._update_model_stats()
         finished = self.scheduler.update_from_output(out, sampled)
         for req in finished:
             self.outputs[req.request_id] = list(req.output_token_ids)
@@ -117,16 +144,38 @@ class FakeEngine:
         if self.connector is not None and not self.connector.is_saved(key):
             self.stats.gpu_evictions_unsaved += 1
 
+    def _update_model_stats(self) -> None:
+        self.stats.integrity_errors = sum(m.num_integrity_errors for m in self.models)
+        self.stats.verified_tokens = sum(m.num_verified_tokens for m in self.models)
+
     def _poll_worker(self, wait_for_loads: bool) -> None:
-        if self.worker is None or self.connector is None:
+        if not self.workers or self.connector is None:
             return
         if self.sync_stores:
-            self.worker.wait_all()
-        report = self.worker.get_finished(wait_for_loads=wait_for_loads)
-        self.connector.update_connector_output(report)
-        self.scheduler.update_from_connector(report)
-        self.stats.bytes_stored += report.bytes_stored
-        self.stats.bytes_loaded += report.bytes_loaded
+            for worker in self.workers:
+                worker.wait_all()
+        reports = [worker.get_finished(wait_for_loads=wait_for_loads) for worker in self.workers]
+        self.connector.update_connector_output(reports)
+        self.scheduler.update_from_connector(self._all_ranks(reports))
+        for report in reports:
+            self.stats.bytes_stored += report.bytes_stored
+            self.stats.bytes_loaded += report.bytes_loaded
+
+    def _all_ranks(self, reports: list[WorkerReport]) -> WorkerReport:
+        """What the engine learns: loads every rank finished (vLLM's finished_recving), any rank's failures."""
+        if len(reports) == 1:
+            return reports[0]
+        merged = WorkerReport()
+        for report in reports:
+            merged.failed_load_gpu_blocks.extend(report.failed_load_gpu_blocks)
+            for req_id in report.finished_load_reqs:
+                n = self._load_reports.get(req_id, 0) + 1
+                if n == len(reports):
+                    self._load_reports.pop(req_id, None)
+                    merged.finished_load_reqs.append(req_id)
+                else:
+                    self._load_reports[req_id] = n
+        return merged
 
     def run(self, max_steps: int | None = None) -> None:
         """Step until every request is finished or aborted (or `max_steps` steps)."""
@@ -139,15 +188,16 @@ class FakeEngine:
     def drain(self) -> None:
         """Finish every transfer: keep handing the connector empty steps (it may hold blocks for its next
         store event) and waiting for the worker, until both are idle."""
-        if self.worker is None or self.connector is None:
+        if not self.workers or self.connector is None:
             return
         for _ in range(1000):
-            if self.worker.num_in_flight == 0 and self.connector.is_idle():
+            if all(w.num_in_flight == 0 for w in self.workers) and self.connector.is_idle():
                 break
             meta = self.connector.build_connector_meta([])
-            self.worker.start_load(meta)
-            self.worker.start_store(meta)
-            self.worker.wait_all()
+            for worker in self.workers:
+                worker.start_load(meta)
+                worker.start_store(meta)
+                worker.wait_all()
             self._poll_worker(wait_for_loads=False)
         else:
             raise EngineStallError("transfers still in flight after 1000 drain rounds (our bug)")
@@ -155,6 +205,9 @@ class FakeEngine:
     def check(self) -> int:
         """Drain, count blocks still referenced beyond live requests (leaks), check every pool's invariants."""
         self.drain()
+        for model in self.models:
+            model.compute.synchronize()  # the last forwards' checks (raises their IntegrityError)
+        self._update_model_stats()
         live_gpu = sum(len(r.gpu_block_ids) for r in self.scheduler.requests.values())
         self.gpu.pool.check_integrity()
         self.stats.leaked_gpu_blocks = self.gpu.pool.num_held_blocks() - live_gpu
@@ -166,8 +219,8 @@ class FakeEngine:
         return self.stats.leaked_blocks
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
 
     def __enter__(self) -> FakeEngine:
         return self

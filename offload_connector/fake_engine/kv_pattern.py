@@ -3,8 +3,9 @@
 - `prefix_seeds(tokens)`: one seed per position p, a polynomial hash of tokens[0..p] mod the Mersenne prime
   P = 2^31 - 1 (sum of (t_j + 1) * R^j), computed with one cumulative sum, so it is vectorized and extends by
   one token in O(1) (`extend_seed`).
-- `kv_values(seeds, positions, shape)`: mixes each seed with its position and with the index of each value
-  in (layer, K/V, head, dim), then maps 8 of its bits to a multiple of 1/8 in [-16, 15.875]: exact in
+- `kv_values(seeds, positions, shape, dtype, salt)`: mixes each seed with its position, the `salt` (the
+  tensor-parallel rank: each rank's shard differs, so a block copied to the wrong rank is caught) and the
+  index of each value in (layer, K/V, head, dim), then maps 8 of its bits to a multiple of 1/8 in [-16, 15.875]: exact in
   float32, float16 and bfloat16, so equality checks are exact after any copy.
 - `next_token(seed, position)`: the token a request generates after that prefix (outputs are therefore
   identical with and without the connector).
@@ -51,14 +52,14 @@ def _value_keys(num_values: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def kv_values(seeds: torch.Tensor, positions: torch.Tensor, shape: tuple[int, int, int, int],
-              dtype: torch.dtype) -> torch.Tensor:
+              dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
     """Expected K/V for the given tokens, shaped (num_layers, 2, num_tokens, num_kv_heads, head_dim).
 
     `shape` is (num_layers, 2, num_kv_heads, head_dim); `seeds` and `positions` are int64 vectors.
     """
     num_layers, two, heads, dim = shape
     mult, add = _value_keys(num_layers * two * heads * dim)
-    mixed = (seeds * 31 + positions * 1_000_033 + 7) % P
+    mixed = (seeds * 31 + positions * 1_000_033 + 7 + salt * 104_729) % P
     v = torch.addcmul(add.unsqueeze(0), mixed.unsqueeze(1), mult.unsqueeze(0))  # < 2^63
     v.bitwise_right_shift_(23).bitwise_and_(255).sub_(128)
     v = v.to(dtype).mul_(0.125)

@@ -3,12 +3,16 @@
 KV cache layout: one tensor per layer, named like vLLM's attention layers, shaped
 (2, num_gpu_blocks, block_size, num_kv_heads, head_dim) (K and V first, vLLM's flash-attention layout).
 
-Per scheduled request and step, `forward`:
+Per scheduled request and step, `forward` launches one piece of work on its compute queue that
 1. verifies every token the request reads: all tokens before its `num_computed_tokens` (computed in
    earlier steps, GPU prefix-cache hits and blocks loaded from the CPU tier alike) must hold exactly the
    K/V `kv_pattern` expects; a mismatch increments `num_integrity_errors` and raises `IntegrityError`;
 2. writes the K/V of the tokens it computes this step;
-3. samples the next token (a function of the prefix) when the request's known tokens are all computed.
+and, on the host, samples the next token (a function of the prefix, not of the KV) when the request's
+known tokens are all computed. The compute queue (`ImmediateCompute` by default) runs the work at once;
+`worker_side.cuda_sim.SimCompute` runs it on a simulated GPU's compute stream when the simulator decides,
+so a transfer not fenced against the forward reads or writes KV at the wrong moment and the check fails.
+The work captures everything it needs at launch (block ids, slots, expected values), never the request.
 Per request it keeps the expected K/V of all known tokens (`ModelRequestState`, on the request), grown as
 tokens are appended and dropped by `release` when the request is done. Verification is one gather and one
 comparison per layer and request (whole blocks gathered): O(tokens read), no Python loop over tokens.
@@ -16,7 +20,10 @@ comparison per layer and request (whole blocks gathered): O(tokens read), no Pyt
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
 
 import torch
 
@@ -38,6 +45,27 @@ class IntegrityError(RuntimeError):
     """A block a request reads does not hold the K/V its tokens must have: data was lost or misplaced."""
 
 
+class ComputeQueue(Protocol):
+    """Where the fake model's KV tensors live and its forward runs (the engine's compute stream)."""
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+    def launch(self, fn: Callable[[], None]) -> None: ...
+    def synchronize(self) -> None: ...
+
+
+class ImmediateCompute:
+    """Host tensors; the forward's work runs at once on the calling thread (CPU engines)."""
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype)
+
+    def launch(self, fn: Callable[[], None]) -> None:
+        fn()
+
+    def synchronize(self) -> None:
+        return
+
+
 @dataclass(slots=True)
 class ModelRequestState:
     seeds: torch.Tensor  # int64 (capacity,): prefix seed of each known token
@@ -46,14 +74,17 @@ class ModelRequestState:
 
 
 class FakeModel:
-    def __init__(self, engine: EngineConfig, num_gpu_blocks: int | None = None) -> None:
+    def __init__(self, engine: EngineConfig, num_gpu_blocks: int | None = None,
+                 compute: ComputeQueue | None = None, rank: int = 0) -> None:
+        self.rank = rank  # tensor-parallel rank: salts the K/V pattern (each rank holds a different shard)
+        self.compute = compute if compute is not None else ImmediateCompute()
         self.block_size = engine.block_size
         self.num_gpu_blocks = num_gpu_blocks or engine.num_gpu_blocks
         self.dtype = _DTYPES[engine.dtype]
         self.shape = (engine.num_layers, 2, engine.num_kv_heads, engine.head_dim)
         self.kv_caches: dict[str, torch.Tensor] = {
-            f"model.layers.{i}.self_attn.attn": torch.zeros(
-                2, self.num_gpu_blocks, self.block_size, engine.num_kv_heads, engine.head_dim, dtype=self.dtype)
+            f"model.layers.{i}.self_attn.attn": self.compute.alloc(
+                (2, self.num_gpu_blocks, self.block_size, engine.num_kv_heads, engine.head_dim), self.dtype)
             for i in range(engine.num_layers)
         }
         self._flat = [t.view(2, self.num_gpu_blocks * self.block_size, *t.shape[3:])
@@ -68,10 +99,12 @@ class FakeModel:
 
     # ------------------------------------------------------------------ expected contents
     def _sync(self, req: EngineRequest) -> ModelRequestState:
-        st = req.model_state
+        if req.model_state is None:
+            req.model_state = {}
+        st = req.model_state.get(self.rank)
         if st is None:
             cap = req.num_prompt_tokens + req.max_tokens
-            st = req.model_state = ModelRequestState(
+            st = req.model_state[self.rank] = ModelRequestState(
                 torch.zeros(cap, dtype=torch.int64),
                 torch.empty(self.shape[0], 2, cap, *self.shape[2:], dtype=self.dtype))
         n, end = st.num_known, req.num_tokens
@@ -85,7 +118,7 @@ class FakeModel:
                 seed = kv_pattern.extend_seed(seed, req.all_token_ids[p], p)
                 st.seeds[p] = seed
         positions = torch.arange(n, end, dtype=torch.int64)
-        st.expected[:, :, n:end] = kv_pattern.kv_values(st.seeds[n:end], positions, self.shape, self.dtype)
+        st.expected[:, :, n:end] = kv_pattern.kv_values(st.seeds[n:end], positions, self.shape, self.dtype, self.rank)
         st.num_known = end
         return st
 
@@ -109,7 +142,7 @@ class FakeModel:
 
     # ------------------------------------------------------------------ one step
     def forward(self, chunks: list[tuple[EngineRequest, int]]) -> dict[str, int]:
-        """Run one step: for each (request, num_new_tokens) verify its reads and write its new K/V.
+        """Launch one step: for each (request, num_new_tokens) verify its reads and write its new K/V.
 
         Returns the sampled token of each request whose known tokens are all computed after this step.
         Requests' `num_computed_tokens` are the counts before this step (the engine advances them).
@@ -119,29 +152,35 @@ class FakeModel:
             st = self._sync(req)
             start = req.num_computed_tokens
             end = start + num_new
-            if start:
-                self._verify(req, st, start)
-            src = st.expected[:, :, start:end]
-            new_slots = self._slots(req.gpu_block_ids, start, end)
-            for layer, flat in enumerate(self._flat):
-                flat.index_copy_(1, new_slots, src[layer])
+            gpu_block_ids = list(req.gpu_block_ids)
+            read_ids = self._block_ids(gpu_block_ids, 0, start) if start else None
+            self.compute.launch(partial(self._run, req.request_id, gpu_block_ids, read_ids, st.expected, start,
+                                        self._slots(gpu_block_ids, start, end), st.expected[:, :, start:end]))
             if end == req.num_tokens:
                 sampled[req.request_id] = kv_pattern.next_token(int(st.seeds[end - 1]), end - 1)
         return sampled
 
-    def _verify(self, req: EngineRequest, st: ModelRequestState, num: int) -> None:
+    def _run(self, request_id: str, gpu_block_ids: list[int], read_ids: torch.Tensor | None,
+             expected: torch.Tensor, num_read: int, new_slots: torch.Tensor, new_kv: torch.Tensor) -> None:
+        """The work of one request's step on the compute queue: check what it reads, write what it computes."""
+        if read_ids is not None:
+            self._verify(request_id, gpu_block_ids, read_ids, expected, num_read)
+        for layer, flat in enumerate(self._flat):
+            flat.index_copy_(1, new_slots, new_kv[layer])
+
+    def _verify(self, request_id: str, gpu_block_ids: list[int], ids: torch.Tensor, expected: torch.Tensor,
+                num: int) -> None:
         """Check the K/V of the request's first `num` tokens, gathered block by block."""
-        ids = self._block_ids(req.gpu_block_ids, 0, num)
         self.num_verified_tokens += num
         for layer, cache in enumerate(self.kv_caches.values()):
             got = cache.index_select(1, ids).flatten(1, 2)[:, :num]
-            want = st.expected[layer, :, :num]
+            want = expected[layer, :, :num]
             if torch.equal(_bits(got), _bits(want)):  # bitwise: exact, and far faster than float compare
                 continue
             bad = (got != want).flatten(2).any(2).any(0).nonzero().flatten().tolist()
-            bad_blocks = sorted({req.gpu_block_ids[p // self.block_size] for p in bad})
+            bad_blocks = sorted({gpu_block_ids[p // self.block_size] for p in bad})
             self.num_integrity_errors += 1
             raise IntegrityError(
-                f"request {req.request_id}: layer {layer} holds wrong K/V at {len(bad)} of {num} token "
+                f"request {request_id}: layer {layer} holds wrong K/V at {len(bad)} of {num} token "
                 f"positions read (first position {bad[0]}), GPU blocks {bad_blocks[:16]}"
                 f"{' ...' if len(bad_blocks) > 16 else ''}")

@@ -58,7 +58,7 @@ class EngineRequest:
     num_gpu_hit_tokens: int = field(default=0, init=False)  # at the first admission
     num_cpu_hit_tokens: int = field(default=0, init=False)  # at the first admission, failed blocks excluded
     num_ever_computed: int = field(default=0, init=False)  # high-water mark of num_computed_tokens
-    model_state: Any = field(default=None, init=False)  # owned by the fake model (expected K/V)
+    model_state: Any = field(default=None, init=False)  # owned by the fake models: rank -> expected K/V
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

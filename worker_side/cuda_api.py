@@ -1,0 +1,70 @@
+"""The one seam between the CUDA transfer backend and CUDA itself.
+
+`CudaBackend` performs every CUDA operation through a `CudaRuntime` object handed to it: the real one
+(`cuda_runtime.TorchCudaRuntime`, the runtime and driver torch already loaded) on a GPU, or the simulated
+device (`cuda_sim.SimCudaRuntime`) in tests and benchmarks, where streams are queues run in adversarial
+orders and a missing fence becomes an integrity error. Nothing outside this seam may call CUDA.
+
+Semantics every implementation follows (CUDA's own):
+- Streams and events are opaque handles created on the *calling thread's current device*; a stream or
+  event must only be used while its device is current. A new thread starts on device 0, so every thread
+  sets its device (`set_device`) before its first call; `set_device(d)` when `d` is already current is a
+  no-op that creates no context.
+- `record_event(e, s)` captures the work enqueued on `s` so far; `wait_event(s, e)` makes later work on
+  `s` wait for the *most recent* record of `e` at the time of the call (a never-recorded event: no wait);
+  `query_event(e)` is True once that work completed; `synchronize_event(e)` blocks the host until then.
+- `host_register(ptr, nbytes)` pins whole pages in the current device's context; ranges must not share a
+  page with an existing registration. A copy whose host range is not inside one registration is an error
+  (`cuMemcpyBatchAsync` rejects it; the kernel would fault), except `memcpy(..., pageable=True)`, CUDA's
+  legal but staged copy from ordinary memory, used only after pinning failed.
+- `memcpy_batch` submits all segments in one call (no order among them; they never overlap);
+  `launch_segment_copy` launches the gather/scatter kernel over a table of `(dst, src, nbytes)` int64
+  triples that lives in registered host memory and is read when the kernel runs, not at the call.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+Stream = Any  # opaque, owned by the runtime
+Event = Any
+
+
+class CudaError(RuntimeError):
+    """A CUDA call failed; the message names the call and CUDA's error name."""
+
+
+class CudaRuntime(Protocol):
+    name: str
+    supports_batch: bool  # one call for many segments (cuMemcpyBatchAsync, CUDA >= 12.8 drivers)
+    supports_kernel: bool  # the segment-copy kernel is available (compiled for this device)
+
+    # ---- devices and memory ownership ----------------------------------------------------------------
+    def get_device(self) -> int: ...
+    def set_device(self, device: int) -> None: ...
+    def device_of(self, ptr: int, nbytes: int) -> int | None:
+        """The device whose memory holds [ptr, ptr + nbytes), or None for host memory."""
+    def numa_node(self, device: int) -> int | None:
+        """The host NUMA node closest to `device`, or None where the system does not say."""
+
+    # ---- streams and events (current device) -----------------------------------------------------------
+    def compute_stream(self) -> Stream:
+        """The engine's current stream on the current device (where the forward runs)."""
+    def create_stream(self, low_priority: bool) -> Stream: ...
+    def create_event(self) -> Event: ...
+    def record_event(self, event: Event, stream: Stream) -> None: ...
+    def wait_event(self, stream: Stream, event: Event) -> None: ...
+    def query_event(self, event: Event) -> bool: ...
+    def synchronize_event(self, event: Event) -> None: ...
+    def synchronize_stream(self, stream: Stream) -> None: ...
+
+    # ---- host memory ---------------------------------------------------------------------------------
+    def host_register(self, ptr: int, nbytes: int) -> None: ...
+    def host_unregister(self, ptr: int) -> None: ...
+
+    # ---- copies (each call below is one submission) ---------------------------------------------------
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: Stream, pageable: bool = False) -> None: ...
+    def memcpy_batch(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, stream: Stream) -> None: ...
+    def launch_segment_copy(self, table_ptr: int, count: int, stream: Stream) -> None: ...

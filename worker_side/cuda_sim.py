@@ -1,0 +1,371 @@
+"""A simulated CUDA device: the `CudaRuntime` seam with host memory standing in for device memory.
+
+For tests and benchmarks only (`pytest -m cudasim`, `bench_datapath.py --backend cuda-sim`); production
+never constructs it. It follows cuda_api.py's semantics and turns what a real GPU would do silently wrong
+into something a test sees:
+- Streams are FIFO queues whose work runs only when the simulator decides: at each API call it runs up to
+  `burst` items in the order `schedule` prefers ("copy_first": copy streams whenever they may run, which
+  exposes a missing fence before a store or a load; "compute_first"; "random"), seeded. Waits and events
+  behave as CUDA's (a wait captures the event's latest record at call time); `synchronize_*` runs work until
+  the event or stream is done. The fake engine's forward runs as work on a compute stream
+  (`launch_host_work`), so a copy that races the forward corrupts KV and the fake model's check fails.
+- The calling thread's current device is tracked (a new thread starts on device 0); every call that
+  touches a stream, event or memory checks it matches, and `devices_touched[thread id]` records every
+  device a thread used (a context created on the wrong GPU shows up there).
+- Device memory is what `alloc_device` returned; host registrations are tracked by page. A copy whose host
+  side is not inside one registration made on the stream's device, or whose device side is not memory of
+  the stream's device, is a *fault*: recorded in `faults` (tests assert it stays empty) and raised as
+  `CudaError` where CUDA would refuse the call; `memcpy(pageable=True)` may use unregistered memory.
+- `fail_register` / `max_register_bytes` make `host_register` fail (pinning fallback, chunking);
+  `supports_batch` / `supports_kernel` switch the batched copy and the kernel off (fallback paths).
+`calls` counts API calls by name; `self_time` is the time spent inside this simulator's calls, so a
+benchmark can subtract it and keep only the backend's own host time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from worker_side.copy_plan import Segments
+from worker_side.cpu_backend import run_segments
+from worker_side.cuda_api import CudaError
+
+PAGE = 4096
+SCHEDULES = ("copy_first", "compute_first", "random")
+
+
+@dataclass(eq=False)
+class SimStream:
+    device: int
+    name: str
+    compute: bool
+    queue: deque = field(default_factory=deque)
+    enqueued: int = 0  # items ever enqueued (waits included)
+    completed: int = 0  # items ever run, in order
+
+
+@dataclass(eq=False)
+class SimEvent:
+    device: int
+    target: tuple[SimStream, int] | None = None  # the latest record: done once the stream ran this many items
+
+    def done(self) -> bool:
+        return _done(self.target)
+
+
+def _done(target: tuple[SimStream, int] | None) -> bool:
+    return target is None or target[0].completed >= target[1]
+
+
+@dataclass(slots=True)
+class _Work:
+    kind: str  # "wait" | "copy" | "kernel" | "compute"
+    run: Callable[[], None] | None = None
+    wait: tuple[SimStream, int] | None = None
+
+
+class SimCudaRuntime:
+    name = "cuda-sim"
+
+    def __init__(self, num_devices: int = 1, schedule: str = "random", seed: int = 0, burst: int = 3,
+                 supports_batch: bool = True, supports_kernel: bool = True, fail_register: bool = False,
+                 max_register_bytes: int | None = None, numa_nodes: dict[int, int] | None = None) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}; allowed: {', '.join(SCHEDULES)}")
+        self.num_devices, self.schedule, self.burst = num_devices, schedule, burst
+        self.supports_batch, self.supports_kernel = supports_batch, supports_kernel
+        self.fail_register, self.max_register_bytes = fail_register, max_register_bytes
+        self.numa_nodes = dict(numa_nodes or {})
+        self._rng = random.Random(seed)
+        self._lock = threading.RLock()
+        self._tls = threading.local()
+        self._compute = [SimStream(d, f"compute{d}", True) for d in range(num_devices)]
+        self.streams: list[SimStream] = list(self._compute)
+        self._device_memory: list[tuple[int, int, int, torch.Tensor]] = []  # (start, end, device, tensor)
+        self.registrations: dict[int, tuple[int, int, int]] = {}  # ptr -> (end, device, first page)
+        self.faults: list[str] = []
+        self.errors: list[BaseException] = []  # raised by compute work (e.g. the fake model's IntegrityError)
+        self.calls: Counter[str] = Counter()
+        self.devices_touched: dict[int, set[int]] = {}
+        self.self_time = 0.0
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------
+    def _enter(self, op: str) -> int:
+        """Count the call, note the device it touches, let queued work advance; returns the current device."""
+        device = self.get_device()
+        self.calls[op] += 1
+        self.devices_touched.setdefault(threading.get_ident(), set()).add(device)
+        self._tick()
+        return device
+
+    def _fault(self, message: str) -> str:
+        self.faults.append(message)
+        return message
+
+    def _same_device(self, op: str, device: int, *objs: SimStream | SimEvent) -> None:
+        for obj in objs:
+            if obj.device != device:
+                raise CudaError(self._fault(f"{op}: {type(obj).__name__} of device {obj.device} used while "
+                                            f"device {device} is current (cudaErrorInvalidResourceHandle)"))
+
+    # ---- devices and memory ----------------------------------------------------------------------------
+    def get_device(self) -> int:
+        return getattr(self._tls, "device", 0)
+
+    def set_device(self, device: int) -> None:
+        if not 0 <= device < self.num_devices:
+            raise CudaError(f"cudaSetDevice({device}): cudaErrorInvalidDevice ({self.num_devices} devices)")
+        if device != self.get_device():
+            self._tls.device = device
+            self._enter("set_device")
+
+    def alloc_device(self, shape: tuple[int, ...], dtype: torch.dtype, device: int = 0) -> torch.Tensor:
+        """Zeroed "device memory" of `device` (host memory the simulator treats as the GPU's)."""
+        t = torch.zeros(shape, dtype=dtype)
+        with self._lock:
+            self._device_memory.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), device, t))
+        return t
+
+    def device_of(self, ptr: int, nbytes: int) -> int | None:
+        for start, end, device, _ in self._device_memory:
+            if start <= ptr and ptr + nbytes <= end:
+                return device
+        return None
+
+    def numa_node(self, device: int) -> int | None:
+        return self.numa_nodes.get(device)
+
+    # ---- streams and events --------------------------------------------------------------------------
+    def compute_stream(self) -> SimStream:
+        with self._lock:
+            return self._compute[self._enter("compute_stream")]
+
+    def create_stream(self, low_priority: bool) -> SimStream:
+        with self._lock:
+            device = self._enter("create_stream")
+            s = SimStream(device, f"copy{device}.{len(self.streams)}{'-low' if low_priority else ''}", False)
+            self.streams.append(s)
+            return s
+
+    def create_event(self) -> SimEvent:
+        with self._lock:
+            return SimEvent(self._enter("create_event"))
+
+    def record_event(self, event: SimEvent, stream: SimStream) -> None:
+        with self._lock:
+            self._same_device("record_event", self._enter("record_event"), event, stream)
+            event.target = (stream, stream.enqueued)
+
+    def wait_event(self, stream: SimStream, event: SimEvent) -> None:
+        with self._lock:
+            self._same_device("wait_event", self._enter("wait_event"), stream)
+            if event.target is not None:
+                self._push(stream, _Work("wait", wait=event.target))
+
+    def query_event(self, event: SimEvent) -> bool:
+        with self._lock:
+            self._same_device("query_event", self._enter("query_event"), event)
+            return event.done()
+
+    def synchronize_event(self, event: SimEvent) -> None:
+        with self._lock:
+            self._enter("synchronize_event")
+            self._run_until(event.done, "synchronize_event")
+
+    def synchronize_stream(self, stream: SimStream) -> None:
+        with self._lock:
+            self._same_device("synchronize_stream", self._enter("synchronize_stream"), stream)
+            self._run_until(lambda: stream.completed == stream.enqueued, "synchronize_stream")
+
+    # ---- host memory -----------------------------------------------------------------------------------
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        with self._lock:
+            device = self._enter("host_register")
+            if self.fail_register:
+                raise CudaError(f"cudaHostRegister({nbytes} bytes): cudaErrorMemoryAllocation (simulated)")
+            if self.max_register_bytes is not None and nbytes > self.max_register_bytes:
+                raise CudaError(f"cudaHostRegister({nbytes} bytes): cudaErrorInvalidValue (over the simulated "
+                                f"limit of {self.max_register_bytes} bytes)")
+            first, last = ptr // PAGE, (ptr + nbytes - 1) // PAGE
+            for p, (end, _, p_first) in self.registrations.items():
+                if first <= (end - 1) // PAGE and p_first <= last:
+                    raise CudaError(self._fault(f"cudaHostRegister({ptr:#x}, {nbytes}): shares a page with the "
+                                                f"registration at {p:#x} (cudaErrorHostMemoryAlreadyRegistered)"))
+            self.registrations[ptr] = (ptr + nbytes, device, first)
+
+    def host_unregister(self, ptr: int) -> None:
+        with self._lock:
+            self._enter("host_unregister")
+            if self.registrations.pop(ptr, None) is None:
+                raise CudaError(f"cudaHostUnregister({ptr:#x}): cudaErrorHostMemoryNotRegistered")
+
+    def _host_ok(self, ptr: np.ndarray, nbytes: np.ndarray, device: int) -> np.ndarray:
+        """Per segment: does [ptr, ptr + nbytes) lie inside one registration made on `device`?"""
+        ok = np.zeros(len(ptr), bool)
+        for start, (end, dev, _) in self.registrations.items():
+            if dev == device:
+                ok |= (ptr >= start) & (ptr + nbytes <= end)
+        return ok
+
+    def _device_ok(self, ptr: np.ndarray, nbytes: np.ndarray, device: int) -> np.ndarray:
+        ok = np.zeros(len(ptr), bool)
+        for start, end, dev, _ in self._device_memory:
+            if dev == device:
+                ok |= (ptr >= start) & (ptr + nbytes <= end)
+        return ok
+
+    def _check_copies(self, op: str, device: int, segs: Segments, pageable: bool = False) -> str | None:
+        """A fault message if any segment is not device <-> registered host memory of `device`."""
+        d_dev, s_dev = self._device_ok(segs.dst, segs.nbytes, device), self._device_ok(segs.src, segs.nbytes, device)
+        if pageable:
+            d_host, s_host = ~d_dev, ~s_dev
+        else:
+            d_host, s_host = self._host_ok(segs.dst, segs.nbytes, device), self._host_ok(segs.src, segs.nbytes, device)
+        bad = np.flatnonzero(~((d_dev & s_host) | (s_dev & d_host)))
+        if not len(bad):
+            return None
+        i = int(bad[0])
+        return self._fault(f"{op} on device {device}: {len(bad)} of {len(segs)} segments are not device memory of "
+                           f"device {device} <-> host memory registered there (first: dst {int(segs.dst[i]):#x}, "
+                           f"src {int(segs.src[i]):#x}, {int(segs.nbytes[i])} bytes; unregistered, straddling "
+                           "two registrations, or another device's)")
+
+    # ---- copies ------------------------------------------------------------------------------------------
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: SimStream, pageable: bool = False) -> None:
+        self._copy("memcpy", Segments(*(np.array([x], np.int64) for x in (dst, src, nbytes))), stream, pageable)
+
+    def memcpy_batch(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, stream: SimStream) -> None:
+        if not self.supports_batch:
+            raise CudaError("cuMemcpyBatchAsync: CUDA_ERROR_NOT_SUPPORTED (simulated driver < 12.8)")
+        self._copy("memcpy_batch", Segments(dst.copy(), src.copy(), nbytes.copy()), stream, False)
+
+    def _copy(self, op: str, segs: Segments, stream: SimStream, pageable: bool) -> None:
+        t0 = time.perf_counter()
+        with self._lock:
+            device = self._enter(op)
+            self._same_device(op, device, stream)
+            fault = self._check_copies(op, device, segs, pageable)
+            if fault is not None:
+                raise CudaError(fault)
+            self._push(stream, _Work("copy", run=lambda: run_segments(segs)))
+        self.self_time += time.perf_counter() - t0
+
+    def launch_segment_copy(self, table_ptr: int, count: int, stream: SimStream) -> None:
+        t0 = time.perf_counter()
+        with self._lock:
+            device = self._enter("launch_segment_copy")
+            self._same_device("launch_segment_copy", device, stream)
+            if not self.supports_kernel:
+                raise CudaError("segment-copy kernel: not available (simulated)")
+            table = np.array([table_ptr], np.int64), np.array([count * 24], np.int64)
+            if not self._host_ok(*table, device)[0]:
+                raise CudaError(self._fault(f"launch_segment_copy: table at {table_ptr:#x} ({count} entries) is not "
+                                            f"in host memory registered on device {device}"))
+
+            def run() -> None:  # the kernel reads its table now, when it runs
+                raw = (ctypes.c_int64 * (3 * count)).from_address(table_ptr)
+                rows = np.frombuffer(raw, np.int64).reshape(count, 3).copy()
+                segs = Segments(rows[:, 0], rows[:, 1], rows[:, 2])
+                if self._check_copies("segment-copy kernel", device, segs) is None:
+                    run_segments(segs)
+
+            self._push(stream, _Work("kernel", run=run))
+        self.self_time += time.perf_counter() - t0
+
+    def launch_host_work(self, stream: SimStream, fn: Callable[[], None]) -> None:
+        """Enqueue `fn` as a kernel on `stream` (the fake model's forward: reads and writes of KV blocks)."""
+        with self._lock:
+            self._same_device("launch_host_work", self._enter("launch_host_work"), stream)
+            self._push(stream, _Work("compute", run=fn))
+
+    # ---- the scheduler of queued work ------------------------------------------------------------------
+    def _push(self, stream: SimStream, work: _Work) -> None:
+        stream.queue.append(work)
+        stream.enqueued += 1
+
+    def _runnable(self) -> list[SimStream]:
+        out = []
+        for s in self.streams:
+            while s.queue and s.queue[0].kind == "wait" and _done(s.queue[0].wait):
+                s.queue.popleft()
+                s.completed += 1
+            if s.queue and s.queue[0].kind != "wait":
+                out.append(s)
+        return out
+
+    def _pick(self, runnable: list[SimStream]) -> SimStream:
+        if self.schedule != "random":
+            prefer_compute = self.schedule == "compute_first"
+            preferred = [s for s in runnable if s.compute == prefer_compute]
+            runnable = preferred or runnable
+        return self._rng.choice(runnable)
+
+    def _step(self) -> bool:
+        runnable = self._runnable()
+        if not runnable:
+            return False
+        s = self._pick(runnable)
+        work = s.queue.popleft()
+        try:
+            if work.run is not None:
+                work.run()
+        except Exception as exc:  # work of the fake model: surfaced to the engine by SimCompute
+            self.errors.append(exc)
+        s.completed += 1
+        self._runnable()  # consume waits that just became satisfied
+        return True
+
+    def _tick(self) -> None:
+        for _ in range(self._rng.randint(0, self.burst)):
+            if not self._step():
+                break
+
+    def _run_until(self, condition: Callable[[], bool], op: str) -> None:
+        while not condition():
+            if not self._step():
+                raise CudaError(f"{op}: deadlock: work is queued but nothing can run "
+                                f"({[(s.name, len(s.queue)) for s in self.streams if s.queue]})")
+
+    def drain(self) -> None:
+        """Run every queued item (tests, end of a run)."""
+        with self._lock:
+            self._run_until(lambda: all(not s.queue for s in self.streams), "drain")
+
+    @property
+    def num_queued(self) -> int:
+        return sum(len(s.queue) for s in self.streams)
+
+
+class SimCompute:
+    """The fake engine's compute queue on a simulated device: the forward runs when the simulator says."""
+
+    def __init__(self, rt: SimCudaRuntime, device: int = 0) -> None:
+        self.rt, self.device = rt, device
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self.rt.alloc_device(shape, dtype, self.device)
+
+    def _raise_errors(self) -> None:
+        if self.rt.errors:
+            raise self.rt.errors[0]
+
+    def launch(self, fn: Callable[[], None]) -> None:
+        self._raise_errors()
+        if self.rt.get_device() != self.device:
+            self.rt.set_device(self.device)
+        self.rt.launch_host_work(self.rt.compute_stream(), fn)
+
+    def synchronize(self) -> None:
+        if self.rt.get_device() != self.device:
+            self.rt.set_device(self.device)
+        self.rt.synchronize_stream(self.rt.compute_stream())
+        self._raise_errors()
