@@ -1,12 +1,23 @@
-"""Worker data path throughput: batched stores/loads vs a contiguous copy of the same bytes.
+"""Worker data path: CPU throughput vs memcpy, CUDA submission cost on the simulated device, GPU throughput.
 
-For 64 KiB and 2 MiB blocks, one batch moves `--batch-mib` MiB through `OffloadWorker` (CPU backend,
-`--threads` copy threads) and is timed from `start_*` to `get_finished`; the baseline is `dst.copy_(src)` of
-one contiguous buffer of the same size, measured in the same run (best of before and after). Block-id patterns: `runs` (random runs of
-16 consecutive ids on both sides, what the scheduler's pools mostly hand out) and `scattered` (independent
-random permutations: every block is its own copy). Best of `--reps`. Prints a table, or one JSON object with
-`--json`: `store_vs_memcpy` / `load_vs_memcpy` (min over sizes, `runs` pattern), `*_scattered` (min over
-sizes, scattered), and per-size figures under `sizes`.
+`--backend cpu` (default): for 64 KiB and 2 MiB blocks, one batch moves `--batch-mib` MiB through
+`OffloadWorker` (CPU backend, `--threads` copy threads), timed from `start_*` to `get_finished`; the
+baseline is `dst.copy_(src)` of one contiguous buffer of the same size, measured in the same run (best of
+before and after). Block-id patterns: `runs` (random runs of 16 consecutive ids on both sides, what the
+scheduler's pools mostly hand out) and `scattered` (independent random permutations). Best of `--reps`.
+JSON: `store_vs_memcpy` / `load_vs_memcpy` (min over sizes, `runs`), `*_scattered`, per-size under `sizes`.
+
+`--backend cuda-sim`: the CUDA backend on the simulated device (worker_side.cuda_sim), a Llama-8B-like KV
+cache (32 layers, 8 KV heads of 128, fp16, 16-token blocks: 2 MiB a block) in each layout (block first, K/V
+first, head-major LHBNC), 1 to 1024 blocks per job, runs and scattered ids, the default kernel threshold.
+`copy_calls_per_job`: copy or kernel-launch calls the backend made per job (max over everything);
+`host_us_per_job`: per block count, Python time on the calling thread per `start_*` (the worker's checks
+of the metadata's id lists included; min over reps, the simulator's own time subtracted; max over layouts,
+patterns and directions); `backend_us_per_job` the same for the backend's `submit` alone.
+
+`--backend cuda` (needs a GPU): store and load GB/s through the CUDA backend for 2 MiB blocks and
+scattered 64 KiB and 16 KiB blocks, against a contiguous pinned-host <-> device `copy_` of the same bytes
+in the same run; `*_vs_copy` are the ratios.
 """
 
 from __future__ import annotations
@@ -79,14 +90,150 @@ def bench_size(block_bytes: int, batch_bytes: int, threads: int, reps: int, rng:
     return out
 
 
+SIM_COUNTS = (1, 16, 256, 1024)
+SIM_LAYOUTS = ("block_first", "kv_first", "LHBNC")  # a Llama-8B-like KV cache: 32 layers, 8 KV heads x 128, fp16
+
+
+def sim_layout(layout: str, num_blocks: int, rt) -> tuple[dict[str, torch.Tensor], str | None]:
+    """Per-layer KV tensors on the simulated device, 16-token blocks (64 KiB of K and V per layer)."""
+    def one() -> torch.Tensor:
+        if layout == "block_first":
+            return rt.alloc_device((num_blocks, 2, 16, 8, 128), torch.float16)
+        if layout == "kv_first":
+            return rt.alloc_device((2, num_blocks, 16, 8, 128), torch.float16)
+        # head-major: physical [H, B, N, 2 * head] seen as vLLM's logical [B, H, N, C]
+        return rt.alloc_device((8, num_blocks, 16, 256), torch.float16).permute(1, 0, 2, 3)
+    return {f"l{i}": one() for i in range(32)}, ("LHBNC" if layout == "LHBNC" else None)
+
+
+def bench_cuda_sim(reps: int, seed: int) -> dict:
+    from worker_side.cuda_backend import CudaBackend
+    from worker_side.cuda_sim import SimCudaRuntime
+
+    rng = random.Random(seed)
+    pool = max(SIM_COUNTS) + 1
+    host_us: dict[int, float] = dict.fromkeys(SIM_COUNTS, 0.0)
+    backend_us: dict[int, float] = dict.fromkeys(SIM_COUNTS, 0.0)
+    calls, per_layout = 0, {}
+    event = iter(range(1, 1 << 30))
+    for layout in SIM_LAYOUTS:
+        # nothing runs inside a timed call; copies are checked but move no bytes (2 GiB per job at 1024 blocks)
+        rt = SimCudaRuntime(schedule="random", seed=seed, burst=0, copy_bytes=False)
+        kv, hint = sim_layout(layout, pool, rt)
+        worker = OffloadWorker(load_config({"num_cpu_blocks": pool}), backend=CudaBackend(runtime=rt))
+        worker.register_kv_caches(kv, num_gpu_blocks=pool, layout=hint)
+        backend, layout_calls = worker.backend, 0
+        inner_submit, in_backend = backend.submit, [0.0]
+
+        def timed_submit(job, inner_submit=inner_submit, in_backend=in_backend) -> None:
+            t0 = time.perf_counter()
+            inner_submit(job)
+            in_backend[0] += time.perf_counter() - t0
+
+        backend.submit = timed_submit
+        for n in SIM_COUNTS:
+            for pattern in ("runs", "scattered"):
+                gpu, cpu = id_pattern(pattern, n, pool, rng), id_pattern(pattern, n, pool, rng)
+                for kind in ("store", "load"):
+                    best = best_backend = float("inf")
+                    for _ in range(reps):
+                        meta = (TransferMetadata(store_event=next(event), store_gpu_blocks=gpu, store_cpu_blocks=cpu)
+                                if kind == "store" else
+                                TransferMetadata(load_event=next(event), load_gpu_blocks=gpu, load_cpu_blocks=cpu,
+                                                 load_event_reqs=["r"], load_req_num_blocks=[n]))
+                        worker.begin_step()
+                        before_calls, before_sim = backend.num_copy_calls, rt.self_time
+                        in_backend[0] = 0.0
+                        t0 = time.perf_counter()
+                        (worker.start_store if kind == "store" else worker.start_load)(meta)
+                        elapsed = time.perf_counter() - t0 - (rt.self_time - before_sim)
+                        best = min(best, elapsed)
+                        best_backend = min(best_backend, in_backend[0] - (rt.self_time - before_sim))
+                        layout_calls = max(layout_calls, backend.num_copy_calls - before_calls)
+                        rt.drain()
+                        worker.get_finished()
+                    host_us[n] = max(host_us[n], best * 1e6)
+                    backend_us[n] = max(backend_us[n], best_backend * 1e6)
+        per_layout[layout] = {"copy_calls_per_job": layout_calls, "planes": backend._geometry["store"].num_planes}
+        calls = max(calls, layout_calls)
+        worker.shutdown()
+        if rt.faults:
+            raise RuntimeError(f"simulated device faults in {layout}: {rt.faults[:3]}")
+    return {"backend": "cuda-sim", "copy_calls_per_job": calls,
+            "host_us_per_job": {str(n): round(us, 1) for n, us in host_us.items()},
+            "host_us_max_over_min": round(max(host_us.values()) / min(host_us.values()), 2),
+            "backend_us_per_job": {str(n): round(us, 1) for n, us in backend_us.items()},
+            "backend_us_max_over_min": round(max(backend_us.values()) / min(backend_us.values()), 2),
+            "layouts": per_layout, "reps": reps}
+
+
+GPU_SIZES = {"2MiB": (2 << 20, "runs"), "64KiB": (64 << 10, "scattered"), "16KiB": (16 << 10, "scattered")}
+
+
+def bench_cuda_size(block_bytes: int, pattern: str, batch_bytes: int, reps: int, rng: random.Random) -> dict:
+    """One block size on a real GPU: the CUDA backend's store and load against a contiguous copy_."""
+    n = max(1, batch_bytes // block_bytes)
+    pool = 2 * n + 1
+    kv = {"kv": torch.randint(0, 256, (pool, block_bytes), dtype=torch.uint8, device="cuda")}
+    worker = OffloadWorker(load_config({"num_cpu_blocks": pool, "transfer": {"backend": "cuda"}}))
+    worker.register_kv_caches(kv)
+    host = torch.empty(n * block_bytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(n * block_bytes, dtype=torch.uint8, device="cuda")
+    gpu, cpu = id_pattern(pattern, n, pool, rng), id_pattern(pattern, n, pool, rng)
+    event = iter(range(1, 1 << 30))
+
+    def timed(fn) -> float:
+        def run() -> None:
+            fn()
+            torch.cuda.synchronize()
+        return best_of(reps, run)
+
+    def store() -> None:
+        worker.begin_step()
+        worker.start_store(TransferMetadata(store_event=next(event), store_gpu_blocks=gpu, store_cpu_blocks=cpu))
+        worker.wait_all()
+        worker.get_finished()
+
+    def load() -> None:
+        worker.begin_step()
+        worker.start_load(TransferMetadata(load_event=next(event), load_gpu_blocks=gpu, load_cpu_blocks=cpu,
+                                           load_event_reqs=["r"], load_req_num_blocks=[n]))
+        worker.wait_all()
+        worker.get_finished()
+
+    d2h = timed(lambda: host.copy_(dev, non_blocking=True))
+    h2d = timed(lambda: dev.copy_(host, non_blocking=True))
+    store_s, load_s = timed(store), timed(load)
+    gb = n * block_bytes / 1e9
+    out = {"pattern": pattern, "num_blocks": n, "store_gbps": round(gb / store_s, 2),
+           "load_gbps": round(gb / load_s, 2), "d2h_copy_gbps": round(gb / d2h, 2), "h2d_copy_gbps": round(gb / h2d, 2),
+           "store_vs_copy": round(d2h / store_s, 3), "load_vs_copy": round(h2d / load_s, 3),
+           "pinned": worker.backend.pinned, "copy_calls": worker.backend.num_copy_calls}
+    worker.shutdown()
+    return out
+
+
+def bench_cuda(batch_bytes: int, reps: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    sizes = {name: bench_cuda_size(block_bytes, pattern, batch_bytes, reps, rng)
+             for name, (block_bytes, pattern) in GPU_SIZES.items()}
+    return {"backend": "cuda", "device": torch.cuda.get_device_name(), "sizes": sizes}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", choices=["cpu", "cuda-sim", "cuda"], default="cpu")
     p.add_argument("--json", action="store_true")
     p.add_argument("--batch-mib", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if args.backend != "cpu":
+        result = (bench_cuda_sim(max(args.reps, 20), args.seed) if args.backend == "cuda-sim"
+                  else bench_cuda(args.batch_mib << 20, args.reps, args.seed))
+        print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+        return
     rng = random.Random(args.seed)
     sizes = {name: bench_size(size, args.batch_mib << 20, args.threads, args.reps, rng) for name, size in SIZES.items()}
     result = {

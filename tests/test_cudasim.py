@@ -55,7 +55,7 @@ def test_replays_under_adversarial_schedules(chunk: int) -> None:
         run = run_on_sim(seed, **sim_case(seed))
         assert_clean(run, seed)
         totals["cpu_hit_tokens"] += run.engine.stats.cpu_hit_tokens
-        totals["kernel"] += run.rt.calls["launch_segment_copy"]
+        totals["kernel"] += run.rt.calls["launch_block_copy"]
         totals["batch"] += run.rt.calls["memcpy_batch"]
     assert all(v > 0 for v in totals.values()), totals
 
@@ -170,7 +170,7 @@ def test_every_layout_round_trips_bit_exact(layout: str, schedule: str, path: st
     kv = make_kv(rt, layout)
     w = sim_worker(rt, kv, 12, LAYOUTS[layout][0], kernel_max_segment_bytes=1 << 30 if path == "kernel" else 0)
     round_trip(rt, w, kv, gpu=[1, 2, 3, 9, 5], cpu=[30, 31, 32, 7, 12], targets=[4, 5, 6, 11, 1])
-    used = {"kernel": "launch_segment_copy", "batch": "memcpy_batch", "per_segment": "memcpy"}[path]
+    used = {"kernel": "launch_block_copy", "batch": "memcpy_batch", "per_segment": "memcpy"}[path]
     assert rt.calls[used] > 0
     w.shutdown()
     assert rt.registrations == {}
@@ -255,7 +255,7 @@ def test_pinning_failure_falls_back_to_pageable_memory(caplog: pytest.LogCapture
     assert backend.num_pin_failures == 1 and not backend.pinned
     assert len([r for r in caplog.records if "pinning failed" in r.getMessage()]) == 1
     assert run.rt.calls["memcpy"] > 0 and run.rt.calls["memcpy_batch"] == 0
-    assert run.rt.calls["launch_segment_copy"] == 0 and run.engine.stats.cpu_hit_tokens > 0
+    assert run.rt.calls["launch_block_copy"] == 0 and run.engine.stats.cpu_hit_tokens > 0
 
 
 def test_a_small_segment_ring_falls_back_to_dma() -> None:
@@ -269,7 +269,7 @@ def test_a_small_segment_ring_falls_back_to_dma() -> None:
                         wait_for_loads=False) as engine:
             run_workload(engine, wl)
         assert engine.stats.integrity_errors == 0 and engine.stats.leaked_blocks == 0 and rt.faults == []
-        assert rt.calls["memcpy_batch"] > 0 and rt.calls["launch_segment_copy"] > 0
+        assert rt.calls["memcpy_batch"] > 0 and rt.calls["launch_block_copy"] > 0
 
 
 def test_loads_never_block_the_engine_thread() -> None:

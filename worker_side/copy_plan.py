@@ -73,6 +73,8 @@ class CopyGeometry:
     groups: tuple[_PlaneGroup, ...]
     cut_every: int | None = None  # host registration cut (rows), on the destination side unless cut_src
     cut_src: bool = False
+    num_planes: int = 0
+    bytes_per_block: int = 0  # sum of the planes' chunk bytes
 
     @staticmethod
     def build(src_views: Sequence[TensorBlockView], dst_views: Sequence[TensorBlockView],
@@ -92,22 +94,34 @@ class CopyGeometry:
             if rows:
                 a = np.array(rows, np.int64).T[:, :, None]  # 5 x P x 1
                 groups.append(_PlaneGroup(runs, a[0], a[1], a[2], a[3], a[4]))
-        return CopyGeometry(tuple(groups), cut_every, cut_src)
+        return CopyGeometry(tuple(groups), cut_every, cut_src, num_planes=sum(len(g.src_base) for g in groups),
+                            bytes_per_block=int(sum(g.chunk_bytes.sum() for g in groups)))
 
-    @property
-    def num_planes(self) -> int:
-        return sum(len(g.src_base) for g in self.groups)
+    def plane_table(self) -> np.ndarray:
+        """(num_planes, 5) int64 rows `(src_base, dst_base, src_stride, dst_stride, chunk_bytes)`: what the
+        block-copy kernel needs to find chunk `p` of block pair `(s, d)` itself, from block ids alone."""
+        cols = [np.concatenate([getattr(g, f)[:, 0] for g in self.groups])
+                for f in ("src_base", "dst_base", "src_stride", "dst_stride", "chunk_bytes")]
+        return np.ascontiguousarray(np.stack(cols, axis=1), dtype=np.int64)
 
-    def segments(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> Segments:
-        """Byte segments copying block src_ids[i] to dst_ids[i] in every plane."""
+    def runs(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The job's runs (see coalesce_runs), cut where the host pool's registrations are cut."""
+        return coalesce_runs(src_ids, dst_ids, self.cut_every, self.cut_src)
+
+    def num_segments(self, num_blocks: int, num_runs: int) -> int:
+        """How many segments `segments()` returns for a job of `num_blocks` blocks in `num_runs` runs."""
+        return sum((num_runs if g.runs else num_blocks) * len(g.src_base) for g in self.groups)
+
+    def segments(self, src_ids: np.ndarray, dst_ids: np.ndarray,
+                 runs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> Segments:
+        """Byte segments copying block src_ids[i] to dst_ids[i] in every plane (`runs`: from `runs()`)."""
         if len(src_ids) == 0 or not self.groups:
             return Segments(_EMPTY, _EMPTY, _EMPTY)
         dsts, srcs, sizes = [], [], []
-        runs = None
         for g in self.groups:
             if g.runs:
                 if runs is None:
-                    runs = coalesce_runs(src_ids, dst_ids, self.cut_every, self.cut_src)
+                    runs = self.runs(src_ids, dst_ids)
                 s_start, d_start, lengths = runs
             else:
                 s_start, d_start, lengths = src_ids, dst_ids, np.ones(len(src_ids), np.int64)

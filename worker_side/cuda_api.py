@@ -18,8 +18,11 @@ Semantics every implementation follows (CUDA's own):
   (`cuMemcpyBatchAsync` rejects it; the kernel would fault), except `memcpy(..., pageable=True)`, CUDA's
   legal but staged copy from ordinary memory, used only after pinning failed.
 - `memcpy_batch` submits all segments in one call (no order among them; they never overlap);
-  `launch_segment_copy` launches the gather/scatter kernel over a table of `(dst, src, nbytes)` int64
-  triples that lives in registered host memory and is read when the kernel runs, not at the call.
+  `launch_block_copy` launches the gather/scatter kernel (segment_copy.cu): for every block pair
+  `(src_ids[i], dst_ids[i])` and every plane `p` of a `(num_planes, 5)` int64 table of rows
+  `(src_base, dst_base, src_stride, dst_stride, chunk_bytes)` it copies `chunk_bytes` from
+  `src_base + src_id * src_stride` to `dst_base + dst_id * dst_stride`. The plane table and the ids (`src_ids`
+  then `dst_ids`, `num_blocks` each) live in registered host memory and are read when the kernel runs.
 """
 
 from __future__ import annotations
@@ -67,4 +70,5 @@ class CudaRuntime(Protocol):
     # ---- copies (each call below is one submission) ---------------------------------------------------
     def memcpy(self, dst: int, src: int, nbytes: int, stream: Stream, pageable: bool = False) -> None: ...
     def memcpy_batch(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, stream: Stream) -> None: ...
-    def launch_segment_copy(self, table_ptr: int, count: int, stream: Stream) -> None: ...
+    def launch_block_copy(self, planes_ptr: int, num_planes: int, ids_ptr: int, num_blocks: int,
+                          stream: Stream) -> None: ...

@@ -15,10 +15,13 @@ Per engine step (vLLM 0.32 order; docs/worker.md has the diagram):
 5. `poll()` queries completion events and never blocks; the engine thread never waits for a load
    (`sync_loads = False`): a request resumes in the step after its load completed.
 
-Submission: the job's segments (copy_plan, one per run and plane) go out as at most two calls: segments up
-to `kernel_max_segment_bytes` as one launch of the segment-copy kernel (its `(dst, src, nbytes)` table
-written into a registered host ring, released in stream order when the job completes), the rest as one
-`memcpy_batch` (or, where the driver lacks it, one `memcpy` per segment).
+Submission: one call per job. Where the job's segments (copy_plan: one per run and plane) would average at
+most `kernel_max_segment_bytes` (scattered blocks of per-layer chunks: vLLM's usual case), or would number
+more than `DMA_MAX_SEGMENTS` (each is work for the driver and for numpy on the engine thread), one launch of
+the block-copy kernel: it reads the direction's plane table (fixed at bind) and the job's block ids (written
+into a registered host ring, released in stream order when the job completes) and finds every chunk
+itself, so the host's work is O(blocks), never O(blocks x layers). Otherwise (long runs, big chunks) one
+`memcpy_batch` of the segments (or, where the driver lacks it, one `memcpy` per segment).
 Host pool: pinned synchronously in `bind` (registration ranges from host_pool: page aligned, <= 64 GiB),
 on the engine's thread with the KV cache's device current. If pinning fails the pool stays pageable: one
 warning, `num_pin_failures` counts it, and copies fall back to staged per-segment `memcpy`; the engine runs.
@@ -38,7 +41,7 @@ import numpy as np
 
 from worker_side.backend import CopyJob, JobKind, JobResult, TransferBackend
 from worker_side.block_layout import TensorBlockView
-from worker_side.copy_plan import CopyGeometry, Segments
+from worker_side.copy_plan import CopyGeometry
 from worker_side.cuda_api import CudaError, CudaRuntime, Event, Stream
 from worker_side.errors import BackendError, WorkerClosedError, WorkerInvariantError
 from worker_side.host_memory import allocate_host_buffer
@@ -47,8 +50,9 @@ from worker_side.segment_ring import SegmentRing
 
 logger = logging.getLogger(__name__)
 
-KERNEL_MAX_SEGMENT_BYTES = 32 << 10  # not yet tuned on a GPU: see docs/worker.md
-RING_ENTRIES = 1 << 16  # (dst, src, nbytes) triples per stream
+KERNEL_MAX_SEGMENT_BYTES = 64 << 10  # not yet tuned on a GPU: see docs/worker.md
+DMA_MAX_SEGMENTS = 1024  # more segments than this cost the driver (and numpy) more than one kernel launch
+RING_ENTRIES = 1 << 16  # int64 block ids per stream (a job takes 2 per block)
 
 
 @dataclass(slots=True)
@@ -77,6 +81,7 @@ class CudaBackend(TransferBackend):
         self._geometry: dict[JobKind, CopyGeometry] = {}
         self._streams: dict[JobKind, Stream] = {}
         self._rings: dict[JobKind, SegmentRing] = {}
+        self._plane_tables: dict[JobKind, int] = {}  # registered (num_planes, 5) tables, per direction
         self._inflight: dict[JobKind, deque[_InFlight]] = {"load": deque(), "store": deque()}
         self._job_ids: set[int] = set()
         self._events: list[Event] = []  # reusable events
@@ -130,17 +135,27 @@ class CudaBackend(TransferBackend):
         return True
 
     def _make_rings(self) -> None:
+        """Registered host memory for the kernel's arguments: both plane tables, one id ring per stream."""
         kinds: tuple[JobKind, ...] = ("load", "store") if self.num_streams > 1 else ("load",)
-        tables = allocate_host_buffer(len(kinds) * self._ring_entries * 24)
+        tables = {kind: self._geometry[kind].plane_table().ravel() for kind in ("load", "store")}
+        num_table = sum(len(t) for t in tables.values())
+        memory = allocate_host_buffer(8 * (num_table + len(kinds) * self._ring_entries))
         try:
-            self.rt.host_register(tables.data_ptr(), tables.numel())
+            self.rt.host_register(memory.data_ptr(), memory.numel())
         except CudaError as exc:
-            logger.warning("offload: segment tables could not be pinned (%s); copying with DMA only", exc)
+            logger.warning("offload: kernel arguments could not be pinned (%s); copying with DMA only", exc)
             return
-        self._registered.append(tables.data_ptr())
-        entries = tables.numpy().view(np.int64).reshape(len(kinds), -1, 3)
-        for i, kind in enumerate(kinds):
-            self._rings[kind] = SegmentRing(entries[i])
+        self._registered.append(memory.data_ptr())
+        self._kernel_memory = memory  # keeps the tables and rings alive
+        words = memory.numpy().view(np.int64)
+        at = 0
+        for kind, table in tables.items():
+            words[at:at + len(table)] = table
+            self._plane_tables[kind] = words[at:].ctypes.data
+            at += len(table)
+        for kind in kinds:
+            self._rings[kind] = SegmentRing(words[at:at + self._ring_entries])
+            at += self._ring_entries
         if len(kinds) == 1:
             self._rings["store"] = self._rings["load"]
 
@@ -178,12 +193,11 @@ class CudaBackend(TransferBackend):
         if job.job_id in self._job_ids:
             raise WorkerInvariantError(f"job id {job.job_id} submitted twice (our bug)")
         self._use_device()
-        segs = self._geometry[job.kind].segments(job.src_ids, job.dst_ids)
         stream = self._streams[job.kind]
         self._fence(job.kind, stream)
         error, used = None, 0
         try:
-            used = self._enqueue(segs, stream, self._rings.get(job.kind))
+            used = self._enqueue(job, stream)
         except CudaError as exc:
             error = str(exc)
         done = self._event()
@@ -191,35 +205,35 @@ class CudaBackend(TransferBackend):
         self._inflight[job.kind].append(_InFlight(job, done, used, error))
         self._job_ids.add(job.job_id)
 
-    def _enqueue(self, segs: Segments, stream: Stream, ring: SegmentRing | None) -> int:
-        """Submit the segments; returns the ring entries the job holds until it completes."""
-        if len(segs) == 0:
-            return 0
-        if not self.pinned:
-            for d, s, n in zip(segs.dst.tolist(), segs.src.tolist(), segs.nbytes.tolist(), strict=True):
-                self.rt.memcpy(d, s, n, stream, pageable=True)
+    def _enqueue(self, job: CopyJob, stream: Stream) -> int:
+        """Submit the job's copies; returns the ring entries it holds until it completes."""
+        geometry, ring = self._geometry[job.kind], self._rings.get(job.kind)
+        src_ids, dst_ids = job.src_ids, job.dst_ids
+        runs = geometry.runs(src_ids, dst_ids)
+        if ring is not None and self._kernel_suits(geometry, len(src_ids), len(runs[2])):
+            args = ring.write(src_ids, dst_ids)
+            if args is not None:  # None: the ring is full; this job goes by DMA below
+                self.rt.launch_block_copy(self._plane_tables[job.kind], geometry.num_planes, args[0], len(src_ids),
+                                          stream)
                 self.num_copy_calls += 1
-            return 0
-        used = 0
-        if ring is not None:
-            small = segs.nbytes <= self.kernel_max_segment_bytes
-            count = int(np.count_nonzero(small))
-            table = ring.write(segs.dst[small], segs.src[small], segs.nbytes[small]) if count else None
-            if table is not None:  # None: the ring is full; these segments go by DMA below
-                table_ptr, used = table
-                self.rt.launch_segment_copy(table_ptr, count, stream)
-                self.num_copy_calls += 1
-                segs = Segments(segs.dst[~small], segs.src[~small], segs.nbytes[~small])
-        if len(segs) == 0:
-            return used
-        if self.rt.supports_batch:
+                return args[1]
+        segs = geometry.segments(src_ids, dst_ids, runs)
+        if self.pinned and self.rt.supports_batch:
             self.rt.memcpy_batch(segs.dst, segs.src, segs.nbytes, stream)
             self.num_copy_calls += 1
-        else:
-            for d, s, n in zip(segs.dst.tolist(), segs.src.tolist(), segs.nbytes.tolist(), strict=True):
-                self.rt.memcpy(d, s, n, stream)
-                self.num_copy_calls += 1
-        return used
+            return 0
+        for d, s, n in zip(segs.dst.tolist(), segs.src.tolist(), segs.nbytes.tolist(), strict=True):
+            self.rt.memcpy(d, s, n, stream, pageable=not self.pinned)
+            self.num_copy_calls += 1
+        return 0
+
+    def _kernel_suits(self, geometry: CopyGeometry, num_blocks: int, num_runs: int) -> bool:
+        """Would the job's DMA segments be many, or average at most `kernel_max_segment_bytes`?"""
+        if self.kernel_max_segment_bytes <= 0:
+            return False
+        num_segments = geometry.num_segments(num_blocks, num_runs)
+        total = num_blocks * geometry.bytes_per_block
+        return num_segments > DMA_MAX_SEGMENTS or total <= self.kernel_max_segment_bytes * num_segments
 
     # ---- completions --------------------------------------------------------------------------------
     def _finish(self, kind: JobKind) -> JobResult:

@@ -78,13 +78,15 @@ class SimCudaRuntime:
 
     def __init__(self, num_devices: int = 1, schedule: str = "random", seed: int = 0, burst: int = 3,
                  supports_batch: bool = True, supports_kernel: bool = True, fail_register: bool = False,
-                 max_register_bytes: int | None = None, numa_nodes: dict[int, int] | None = None) -> None:
+                 max_register_bytes: int | None = None, numa_nodes: dict[int, int] | None = None,
+                 copy_bytes: bool = True) -> None:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule={schedule!r}; allowed: {', '.join(SCHEDULES)}")
         self.num_devices, self.schedule, self.burst = num_devices, schedule, burst
         self.supports_batch, self.supports_kernel = supports_batch, supports_kernel
         self.fail_register, self.max_register_bytes = fail_register, max_register_bytes
         self.numa_nodes = dict(numa_nodes or {})
+        self.copy_bytes = copy_bytes  # False: check every copy but move no bytes (submission benchmarks)
         self._rng = random.Random(seed)
         self._lock = threading.RLock()
         self._tls = threading.local()
@@ -256,27 +258,38 @@ class SimCudaRuntime:
             fault = self._check_copies(op, device, segs, pageable)
             if fault is not None:
                 raise CudaError(fault)
-            self._push(stream, _Work("copy", run=lambda: run_segments(segs)))
+            self._push(stream, _Work("copy", run=lambda: self._move(segs)))
         self.self_time += time.perf_counter() - t0
 
-    def launch_segment_copy(self, table_ptr: int, count: int, stream: SimStream) -> None:
+    def _move(self, segs: Segments) -> None:
+        if self.copy_bytes:
+            run_segments(segs)
+
+    def _registered_table(self, op: str, device: int, ptr: int, nbytes: int) -> None:
+        if not self._host_ok(np.array([ptr], np.int64), np.array([nbytes], np.int64), device)[0]:
+            raise CudaError(self._fault(f"{op}: argument table at {ptr:#x} ({nbytes} bytes) is not in host memory "
+                                        f"registered on device {device}"))
+
+    def launch_block_copy(self, planes_ptr: int, num_planes: int, ids_ptr: int, num_blocks: int,
+                          stream: SimStream) -> None:
         t0 = time.perf_counter()
         with self._lock:
-            device = self._enter("launch_segment_copy")
-            self._same_device("launch_segment_copy", device, stream)
+            device = self._enter("launch_block_copy")
+            self._same_device("launch_block_copy", device, stream)
             if not self.supports_kernel:
-                raise CudaError("segment-copy kernel: not available (simulated)")
-            table = np.array([table_ptr], np.int64), np.array([count * 24], np.int64)
-            if not self._host_ok(*table, device)[0]:
-                raise CudaError(self._fault(f"launch_segment_copy: table at {table_ptr:#x} ({count} entries) is not "
-                                            f"in host memory registered on device {device}"))
+                raise CudaError("block-copy kernel: not available (simulated)")
+            self._registered_table("launch_block_copy", device, planes_ptr, num_planes * 40)
+            self._registered_table("launch_block_copy", device, ids_ptr, num_blocks * 16)
 
-            def run() -> None:  # the kernel reads its table now, when it runs
-                raw = (ctypes.c_int64 * (3 * count)).from_address(table_ptr)
-                rows = np.frombuffer(raw, np.int64).reshape(count, 3).copy()
-                segs = Segments(rows[:, 0], rows[:, 1], rows[:, 2])
-                if self._check_copies("segment-copy kernel", device, segs) is None:
-                    run_segments(segs)
+            def run() -> None:  # the kernel reads its plane table and block ids now, when it runs
+                planes = _read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)[:, :, None]
+                ids = _read_int64(ids_ptr, 2 * num_blocks)
+                src_ids, dst_ids = ids[:num_blocks], ids[num_blocks:]
+                segs = Segments((planes[:, 1] + dst_ids * planes[:, 3]).ravel(),
+                                (planes[:, 0] + src_ids * planes[:, 2]).ravel(),
+                                np.broadcast_to(planes[:, 4], (num_planes, num_blocks)).ravel().copy())
+                if self._check_copies("block-copy kernel", device, segs) is None:
+                    self._move(segs)
 
             self._push(stream, _Work("kernel", run=run))
         self.self_time += time.perf_counter() - t0
@@ -343,6 +356,10 @@ class SimCudaRuntime:
     @property
     def num_queued(self) -> int:
         return sum(len(s.queue) for s in self.streams)
+
+
+def _read_int64(ptr: int, count: int) -> np.ndarray:
+    return np.frombuffer((ctypes.c_int64 * count).from_address(ptr), np.int64).copy()
 
 
 class SimCompute:

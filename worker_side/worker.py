@@ -60,6 +60,7 @@ class OffloadWorker:
         self._jobs: dict[int, JobRecord] = {}
         self._loads_this_step: list[int] = []
         self._instant: list[JobResult] = []  # jobs with no blocks: finished at submission
+        self._scratch: dict[int, np.ndarray] = {}  # per id range: the duplicate check's scratch array
         self._closed = False
 
     # ---- registration -------------------------------------------------------------------------------
@@ -159,14 +160,23 @@ class OffloadWorker:
         src_a, dst_a = np.asarray(src, np.int64), np.asarray(dst, np.int64)
         limits = (pool.num_blocks, self._num_gpu_blocks) if kind == "load" else (self._num_gpu_blocks, pool.num_blocks)
         for ids, limit, what in ((src_a, limits[0], "source"), (dst_a, limits[1], "destination")):
-            bad = ids[(ids < 1) | (ids >= limit)]
-            if len(bad):
+            if len(ids) and (ids.min() < 1 or ids.max() >= limit):
+                bad = ids[(ids < 1) | (ids >= limit)]
                 raise WorkerInvariantError(f"{kind} event {event_id}: {what} block ids {bad[:8].tolist()} outside "
                                            f"[1, {limit}) (block 0 is the null block; scheduler bug)")
-        if len(np.unique(dst_a)) != len(dst_a):
+        if self._has_duplicates(dst_a, limits[1]):
             raise WorkerInvariantError(f"{kind} event {event_id}: a destination block appears twice in "
                                        f"{dst_a.tolist()[:32]} (scheduler bug)")
         return src_a, dst_a
+
+    def _has_duplicates(self, ids: np.ndarray, limit: int) -> bool:
+        """O(n) without sorting: write each id's position into a scratch array indexed by id, read it back."""
+        scratch = self._scratch.get(limit)
+        if scratch is None:
+            scratch = self._scratch[limit] = np.zeros(limit, np.int64)
+        positions = np.arange(len(ids))
+        scratch[ids] = positions
+        return bool((scratch[ids] != positions).any())
 
     def _submit(self, kind: JobKind, event_id: int, src: np.ndarray, dst: np.ndarray,
                 load_reqs: tuple[str, ...]) -> int:
