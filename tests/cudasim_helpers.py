@@ -19,20 +19,21 @@ class SimRun:
 
 def sim_case(seed: int) -> dict:
     """A varied case per seed: schedule, pool sizes, store policy, kernel or DMA, waiting or polling."""
-    return dict(schedule=SCHEDULES[seed % 3], num_gpu_blocks=14 + seed % 5 * 3, num_cpu_blocks=6 + seed % 7 * 5,
+    return dict(schedule=SCHEDULES[seed % 4], num_gpu_blocks=14 + seed % 5 * 3, num_cpu_blocks=6 + seed % 7 * 5,
                 store_policy="lazy" if seed % 2 else "eager", eviction="arc" if seed % 5 == 0 else "lru",
                 kernel_max_segment_bytes=(0, 64, 1 << 20)[seed // 3 % 3], wait_for_loads=seed % 4 == 3,
-                burst=1 + seed % 4, num_streams=1 if seed % 11 == 0 else 2)
+                burst=1 + seed % 4, num_streams=1 if seed % 11 == 0 else 2,
+                ring_entries=64 if seed % 4 == 1 else 1 << 16)  # a small ring wraps: argument reuse is exercised
 
 
 def run_on_sim(seed: int, schedule: str, num_gpu_blocks: int, num_cpu_blocks: int, store_policy: str = "eager",
                eviction: str = "lru", kernel_max_segment_bytes: int = 64, wait_for_loads: bool = False,
                burst: int = 3, num_streams: int = 2, num_requests: int = 24, abort_fraction: float = 0.15,
-               tp_size: int = 1, **sim_options) -> SimRun:
+               tp_size: int = 1, ring_entries: int = 1 << 16, **sim_options) -> SimRun:
     """One seeded random workload through the fake engine, one simulated GPU per tensor-parallel rank."""
     rt = SimCudaRuntime(num_devices=tp_size, schedule=schedule, seed=seed, burst=burst, **sim_options)
-    backends = [CudaBackend(num_streams=num_streams, runtime=rt, kernel_max_segment_bytes=kernel_max_segment_bytes)
-                for _ in range(tp_size)]
+    backends = [CudaBackend(num_streams=num_streams, runtime=rt, kernel_max_segment_bytes=kernel_max_segment_bytes,
+                            ring_entries=ring_entries) for _ in range(tp_size)]
     computes = [SimCompute(rt, device) for device in range(tp_size)]
     cfg = small_config(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, store_policy=store_policy,
                        eviction=eviction)

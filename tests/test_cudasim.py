@@ -285,3 +285,45 @@ def test_loads_never_block_the_engine_thread() -> None:
     rt.drain()
     assert w.get_finished().finished_load_reqs == ["r"]
     w.shutdown()
+
+
+def stores_through_a_tiny_ring(rt: SimCudaRuntime) -> OffloadWorker:
+    """Three 2-block stores through an 8-entry ring while nothing runs: the third does not fit (job 1's
+    block ids are still unread), so it must go by DMA rather than overwrite them."""
+    kv = make_kv(rt, "kv_first")
+    w = sim_worker(rt, kv, 12, kernel_max_segment_bytes=1 << 20, ring_entries=8)
+    for event, ids in enumerate(([1, 2], [3, 4], [5, 6]), start=1):
+        w.start_store(TransferMetadata(store_event=event, store_gpu_blocks=ids, store_cpu_blocks=ids))
+    rt.drain()
+    assert sorted(w.get_finished().completed_store_events) == [1, 2, 3]
+    return w
+
+
+def test_kernel_arguments_stay_intact_until_their_job_ran() -> None:
+    rt = SimCudaRuntime(seed=0, burst=0)
+    w = stores_through_a_tiny_ring(rt)
+    assert rt.calls["launch_block_copy"] == 2 and rt.calls["memcpy_batch"] == 1
+    for b in range(1, 7):
+        assert torch.equal(w.host_pool[b], torch.cat([v.block_tensor(b) for v in w._views])), b
+    w.shutdown()
+
+
+def test_a_ring_released_at_launch_corrupts_a_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutation check for the test above: freeing ring space at launch lets job 3 overwrite job 1's ids."""
+    from worker_side.segment_ring import SegmentRing
+
+    write = SegmentRing.write
+
+    def write_and_release(self: SegmentRing, *arrays: np.ndarray) -> tuple[int, int] | None:
+        out = write(self, *arrays)
+        if out is not None:
+            self.release(out[1])
+            return out[0], 0
+        return None
+
+    monkeypatch.setattr(SegmentRing, "write", write_and_release)
+    rt = SimCudaRuntime(seed=0, burst=0)
+    w = stores_through_a_tiny_ring(rt)
+    views = w._views
+    assert not all(torch.equal(w.host_pool[b], torch.cat([v.block_tensor(b) for v in views])) for b in (1, 2))
+    w.shutdown()

@@ -3,7 +3,9 @@
 What it binds to, and why:
 - Devices, streams and events are torch's (`torch.cuda.Stream`, `torch.cuda.Event`): the engine's compute
   stream is a torch stream, and sharing torch's runtime means one context per device, never a second one.
-- Host registration goes through `torch.cuda.cudart()` (torch's own libcudart; none is loaded by file name).
+- Host registration goes to the driver (`cuMemHostRegister`, portable and device-mapped) in the current
+  device's primary context, torch's: no libcudart is loaded by file name, and unlike `cudaHostRegister` a
+  failure leaves no sticky runtime error behind for torch's next kernel-launch check to report as its own.
 - Copies go to the driver. `memcpy_batch` calls `cuMemcpyBatchAsync` (CUDA >= 12.8 drivers) through the raw
   function pointer that `cuGetProcAddress` (cuda-bindings) returns from the driver already in the process,
   called with ctypes over the numpy arrays' buffers: the cuda-bindings wrapper would convert every pointer
@@ -39,10 +41,10 @@ from worker_side.errors import BackendError
 logger = logging.getLogger(__name__)
 
 KERNEL_SOURCE = Path(__file__).with_name("segment_copy.cu")
-KERNEL_NAMES = ("oc_segment_copy", "oc_block_copy")
+KERNEL_NAMES = ("oc_block_copy",)
 THREADS_PER_BLOCK = 256
 MAX_BLOCKS = 65535  # the kernels grid-stride over the rest
-_HOST_REGISTER_FLAGS = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped (device reads via UVA)
+_HOST_REGISTER_FLAGS = 0x01 | 0x02  # CU_MEMHOSTREGISTER_PORTABLE | _DEVICEMAP (the kernel reads it via UVA)
 _SRC_ACCESS_ORDER_STREAM = 0x1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 _CUDA_ERROR_INVALID_VALUE = 1
 _CU_MEMORYTYPE_DEVICE = 2
@@ -83,11 +85,6 @@ def _check(drv: Any, result: tuple, what: str) -> list[Any]:
     if int(err) != 0:
         raise CudaError(f"{what} failed: {_driver_error(drv, err)}")
     return values
-
-
-def _check_cudart(err: Any, what: str) -> None:
-    if int(err) != 0:
-        raise CudaError(f"{what} failed: {torch.cuda.cudart().cudaGetErrorString(err)} (error {int(err)})")
 
 
 class TorchCudaRuntime:
@@ -196,11 +193,13 @@ class TorchCudaRuntime:
 
     # ---- host memory ---------------------------------------------------------------------------------
     def host_register(self, ptr: int, nbytes: int) -> None:
-        _check_cudart(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _HOST_REGISTER_FLAGS),
-                      f"cudaHostRegister({nbytes} bytes at {ptr:#x}, portable|mapped)")
+        self._bind_context()
+        _check(self._drv, self._drv.cuMemHostRegister(ptr, nbytes, _HOST_REGISTER_FLAGS),
+               f"cuMemHostRegister({nbytes} bytes at {ptr:#x}, portable|devicemap)")
 
     def host_unregister(self, ptr: int) -> None:
-        _check_cudart(torch.cuda.cudart().cudaHostUnregister(ptr), f"cudaHostUnregister({ptr:#x})")
+        self._bind_context()
+        _check(self._drv, self._drv.cuMemHostUnregister(ptr), f"cuMemHostUnregister({ptr:#x})")
 
     # ---- copies (each call below is one submission) ---------------------------------------------------
     def memcpy(self, dst: int, src: int, nbytes: int, stream: Stream, pageable: bool = False) -> None:
@@ -260,9 +259,6 @@ class TorchCudaRuntime:
                 kernels[name]((blocks,), (THREADS_PER_BLOCK,), args)
         except Exception as exc:
             raise CudaError(f"{name} launch ({work_items} copies, {blocks} blocks) failed: {exc}") from exc
-
-    def launch_segment_copy(self, table_ptr: int, count: int, stream: Stream) -> None:
-        self._launch("oc_segment_copy", count, (np.int64(table_ptr), np.int64(count)), stream)
 
     def launch_block_copy(self, planes_ptr: int, num_planes: int, ids_ptr: int, num_blocks: int,
                           stream: Stream) -> None:

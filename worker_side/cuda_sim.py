@@ -5,7 +5,8 @@ never constructs it. It follows cuda_api.py's semantics and turns what a real GP
 into something a test sees:
 - Streams are FIFO queues whose work runs only when the simulator decides: at each API call it runs up to
   `burst` items in the order `schedule` prefers ("copy_first": copy streams whenever they may run, which
-  exposes a missing fence before a store or a load; "compute_first"; "random"), seeded. Waits and events
+  exposes a missing fence before a store or a load; "compute_first"; "random"; "copy_lag": copies run
+  rarely, so many jobs are queued at once and anything released before its job ran gets reused), seeded. Waits and events
   behave as CUDA's (a wait captures the event's latest record at call time); `synchronize_*` runs work until
   the event or stream is done. The fake engine's forward runs as work on a compute stream
   (`launch_host_work`), so a copy that races the forward corrupts KV and the fake model's check fails.
@@ -40,7 +41,7 @@ from worker_side.cpu_backend import run_segments
 from worker_side.cuda_api import CudaError
 
 PAGE = 4096
-SCHEDULES = ("copy_first", "compute_first", "random")
+SCHEDULES = ("copy_first", "compute_first", "random", "copy_lag")
 
 
 @dataclass(eq=False)
@@ -315,18 +316,27 @@ class SimCudaRuntime:
                 out.append(s)
         return out
 
-    def _pick(self, runnable: list[SimStream]) -> SimStream:
+    def _pick(self, runnable: list[SimStream]) -> SimStream | None:
+        if self.schedule == "copy_lag":
+            compute = [s for s in runnable if s.compute]
+            if compute:
+                return self._rng.choice(compute)
+            return self._rng.choice(runnable) if self._rng.random() < 0.1 else None
         if self.schedule != "random":
             prefer_compute = self.schedule == "compute_first"
             preferred = [s for s in runnable if s.compute == prefer_compute]
             runnable = preferred or runnable
         return self._rng.choice(runnable)
 
-    def _step(self) -> bool:
+    def _step(self, forced: bool = False) -> bool:
         runnable = self._runnable()
         if not runnable:
             return False
         s = self._pick(runnable)
+        if s is None:
+            if not forced:
+                return False
+            s = self._rng.choice(runnable)
         work = s.queue.popleft()
         try:
             if work.run is not None:
@@ -344,7 +354,7 @@ class SimCudaRuntime:
 
     def _run_until(self, condition: Callable[[], bool], op: str) -> None:
         while not condition():
-            if not self._step():
+            if not self._step(forced=True):
                 raise CudaError(f"{op}: deadlock: work is queued but nothing can run "
                                 f"({[(s.name, len(s.queue)) for s in self.streams if s.queue]})")
 

@@ -1,16 +1,15 @@
-// Gather/scatter kernels of the CUDA transfer backend: many small copies in one launch.
+// The gather/scatter kernel of the CUDA transfer backend: many small copies in one launch.
 //
-// Every copy moves bytes between device memory and registered host memory (cudaHostRegister with the
-// Mapped flag, read and written through unified virtual addressing); no two copies of one launch overlap.
+// Every copy moves bytes between device memory and registered host memory (cuMemHostRegister with the
+// DEVICEMAP flag, read and written through unified virtual addressing); no two copies of one launch overlap.
 // The tables that describe the copies also live in registered host memory and are read when the kernel
-// runs, not at launch. One thread block per copy (grid-stride when the grid is smaller than the work);
+// runs, not at launch. One thread block per (plane, block) chunk (grid-stride when the grid is smaller than the work);
 // its threads move 16 bytes at a time when destination, source and size are all 16-byte aligned, else
 // 4 bytes when all are 4-byte aligned, else single bytes. No shared memory.
 //
 // Self-contained on purpose: it is compiled at run time by NVRTC (cupy.RawKernel), so it includes no
 // header and uses only built-in types (long long, unsigned int, uint4).
 //
-// oc_segment_copy(table, count): `table` holds `count` int64 triples (dst_ptr, src_ptr, nbytes).
 // oc_block_copy(planes, num_planes, ids, num_blocks): `planes` holds `num_planes` int64 rows
 //   (src_base, dst_base, src_stride, dst_stride, chunk_bytes); `ids` holds `num_blocks` source block ids
 //   followed by `num_blocks` destination block ids. For every plane p and block pair i it copies
@@ -34,13 +33,6 @@ __device__ __forceinline__ void oc_copy_range(char* __restrict__ dst, const char
         for (long long k = threadIdx.x; k < n; k += blockDim.x) d[k] = s[k];
     } else {
         for (long long k = threadIdx.x; k < nbytes; k += blockDim.x) dst[k] = src[k];
-    }
-}
-
-extern "C" __global__ void oc_segment_copy(const long long* table, long long count) {
-    for (long long seg = blockIdx.x; seg < count; seg += gridDim.x) {
-        const long long* row = table + 3 * seg;
-        oc_copy_range((char*)row[0], (const char*)row[1], row[2]);
     }
 }
 
