@@ -230,7 +230,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.backend != "cpu":
-        result = (bench_cuda_sim(max(args.reps, 20), args.seed) if args.backend == "cuda-sim"
+        result = (bench_cuda_sim(max(args.reps, 50), args.seed) if args.backend == "cuda-sim"
                   else bench_cuda(args.batch_mib << 20, args.reps, args.seed))
         print(json.dumps(result) if args.json else json.dumps(result, indent=2))
         return
