@@ -36,6 +36,11 @@ def cuda_worker(kv: dict[str, torch.Tensor], **kw) -> OffloadWorker:
     return w
 
 
+def one_layer_worker() -> tuple[torch.Tensor, OffloadWorker]:
+    kv = torch.zeros(32, 2, 16, 8, 64, dtype=torch.float16, device="cuda")
+    return kv, cuda_worker({"l0": kv}, num_gpu_blocks=32)
+
+
 def store(w: OffloadWorker, event: int, gpu: list[int], cpu: list[int]) -> None:
     w.begin_step()
     w.start_store(TransferMetadata(store_event=event, store_gpu_blocks=gpu, store_cpu_blocks=cpu))
@@ -78,10 +83,9 @@ def test_round_trip_bit_exact(dtype, layout, kernel_max_segment_bytes):
 @pytest.mark.gpu
 @needs_cuda
 def test_store_waits_for_the_compute_that_wrote_its_blocks():
-    kv = {"l0": torch.zeros(32, 2, 16, 8, 64, dtype=torch.float16, device="cuda")}
-    w = cuda_worker(kv, num_gpu_blocks=32)
+    kv, w = one_layer_worker()
     torch.cuda._sleep(SLEEP_CYCLES)  # the "forward", still running when the store is issued
-    kv["l0"][3:6] = 7  # written after the sleep, on the compute stream
+    kv[3:6] = 7  # written after the sleep, on the compute stream
     store(w, 1, [3, 4, 5], [1, 2, 3])
     w.wait_all()
     assert all(bool((w.host_pool[c].view(torch.float16) == 7).all()) for c in (1, 2, 3))
@@ -91,15 +95,14 @@ def test_store_waits_for_the_compute_that_wrote_its_blocks():
 @pytest.mark.gpu
 @needs_cuda
 def test_load_waits_for_earlier_readers_but_overlaps_this_steps_forward():
-    kv = {"l0": torch.zeros(32, 2, 16, 8, 64, dtype=torch.float16, device="cuda")}
-    w = cuda_worker(kv, num_gpu_blocks=32)
-    kv["l0"][3:6] = 5
+    kv, w = one_layer_worker()
+    kv[3:6] = 5
     store(w, 1, [3, 4, 5], [1, 2, 3])
     w.wait_all()
     w.get_finished()
     # 1. an earlier step's kernel still reads blocks 10..12 (behind a long sleep)
     torch.cuda._sleep(SLEEP_CYCLES)
-    snapshot = kv["l0"][10:13].clone()
+    snapshot = kv[10:13].clone()
     # 2. this step: the fence is taken before the forward; the forward is another long sleep
     w.begin_step()
     torch.cuda._sleep(SLEEP_CYCLES)
@@ -111,5 +114,5 @@ def test_load_waits_for_earlier_readers_but_overlaps_this_steps_forward():
     assert not forward_done.query(), "the load waited for this step's forward instead of overlapping it"
     torch.cuda.synchronize()
     assert bool((snapshot == 0).all()), "the load overwrote blocks an earlier kernel was still reading"
-    assert bool((kv["l0"][10:13] == 5).all())
+    assert bool((kv[10:13] == 5).all())
     w.shutdown()
