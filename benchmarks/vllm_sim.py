@@ -5,7 +5,8 @@ What it owns: one `Scheduler` per `VllmSim`, the requests added to it, and a fak
 step's connector metadata into the `KVConnectorOutput` that connector's real worker role would send back:
 
 - ours (`worker_side` via `OffloadConnector`): loads are issued in `start_load_kv` and waited for in the
-  same step's `get_finished`, so they come back as that step's `finished_recving`; stores are issued in
+  same step's `get_finished`, so they come back as that step's `finished_recving` (and in the rank's
+  report); stores are issued in
   `wait_for_save` and polled without waiting, so a store event is reported `store_delay` steps later in an
   `OffloadWorkerMetadata` report.
 - Simple (vLLM 0.32 `simple_kv_offload/worker.py`): loads are launched in `start_load_kv` (after the forward
@@ -162,9 +163,9 @@ class OursWorker(FakeWorker):
             self.pending_stores.append((step, meta.store_event))
             self.transfers.stored_blocks += len(meta.store_cpu_blocks)
         recving, stores = self._due(step, flush=False)
-        # As the real rank (build_connector_worker_meta): finished loads travel only in finished_recving, the
-        # report carries the stores; an empty report is not sent.
-        report = WorkerReport(completed_store_events=stores)
+        # As the real rank (build_connector_worker_meta): finished loads go to vLLM in finished_recving and
+        # to our scheduler in the rank's report, with the stores; an empty report is not sent.
+        report = WorkerReport(completed_store_events=stores, finished_load_reqs=sorted(recving))
         worker_meta = None if report.is_empty else OffloadWorkerMetadata(reports=[encode(report)])
         return KVConnectorOutput(finished_recving=recving or None, kv_connector_worker_meta=worker_meta)
 

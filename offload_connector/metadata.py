@@ -8,8 +8,9 @@ Direction words: *store* is GPU->CPU, *load* is CPU->GPU (never swap/spill/fetch
   blocks belong to `load_event_reqs[j]` (a count, the blocks being listed request by request).
   Invariants: equal lengths per pair of lists; no GPU block appears twice in a step's loads; a store's GPU
   blocks hold KV that this step's forward has completed once it has run.
-- `WorkerReport`: one worker rank -> scheduler, once per step. With tensor parallelism each rank reports
-  separately; the scheduler counts an event complete only when every rank has reported it.
+- `WorkerReport`: one worker rank -> scheduler, once per step, naming its `rank`. With tensor parallelism
+  each rank reports separately; the scheduler counts a load or store complete once every rank has reported
+  it once (a repeated report from the same rank is ignored), in both adapters the same way.
 
 Imports nothing from the project and no torch.
 """
@@ -37,6 +38,7 @@ class TransferMetadata(msgspec.Struct, kw_only=True):
 class WorkerReport(msgspec.Struct, kw_only=True):
     """Completions seen by one worker rank since its previous report."""
 
+    rank: int = 0  # the tensor-parallel rank that saw them
     finished_load_reqs: list[str] = msgspec.field(default_factory=list)
     completed_store_events: list[int] = msgspec.field(default_factory=list)
     failed_store_events: list[int] = msgspec.field(default_factory=list)

@@ -19,8 +19,8 @@ Per-step order in vLLM 0.32 and what each hook does here:
              waits for this step's loads, so a CPU-hit request runs the step after admission; the CUDA
              backend only polls, never blocking the engine thread) -> get_block_ids_with_load_errors
              -> build_connector_worker_meta (the rank's report)
-  scheduler: update_connector_output (loads via vLLM's cross-rank `finished_recving`; store events via the
-             reports, complete once every rank reported) -> request_finished / take_events / stats.
+  scheduler: update_connector_output (every rank's report: a load or store completes once each rank
+             reported it once) -> request_finished / take_events / stats.
 Blocks with a transfer in flight carry the connector's own references (GPU and CPU), so vLLM may free,
 preempt or abort at any point: `request_finished` always returns (False, None) and `handle_preemptions`
 has nothing to flush.
@@ -34,7 +34,6 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import torch
 from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -152,15 +151,11 @@ class OffloadConnector(KVConnectorBase_V1):
         return OffloadConnectorMetadata(sched.build_connector_meta(steps))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        sched = self._sched()
-        # Reports first: failed load blocks must be matched to their load jobs before those finish.
+        # One path for loads and stores: each rank's report, counted once per rank. vLLM's own
+        # finished_recving (the same loads, aggregated across ranks) only tells vLLM the request may run.
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, OffloadWorkerMetadata) and meta.reports:
-            # Loads come only from finished_recving (vLLM counted every rank there): a rank's report leaves
-            # them out, and any it lists anyway are ignored so that no load completes twice.
-            sched.update_connector_output([decode_report(r) for r in meta.reports], count_loads=False)
-        if connector_output.finished_recving:
-            sched.finished_loading(connector_output.finished_recving)
+            self._sched().update_connector_output([decode_report(r) for r in meta.reports])
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request)
@@ -278,8 +273,7 @@ class OffloadConnector(KVConnectorBase_V1):
         report, self._report = self._report, None
         if report is None or (report.is_empty and not report.bytes_stored and not report.bytes_loaded):
             return None
-        # finished loads reach the scheduler through vLLM's finished_recving (counted across ranks there)
-        return OffloadWorkerMetadata(reports=[encode(msgspec.structs.replace(report, finished_load_reqs=[]))])
+        return OffloadWorkerMetadata(reports=[encode(report)])
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         return  # in-flight blocks hold connector references: vLLM cannot reuse them before we finish

@@ -41,7 +41,11 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 def merge_reports(a: WorkerReport, b: WorkerReport) -> WorkerReport:
+    """Two reports of the same rank (get_finished called twice before the rank's report was sent)."""
+    if a.rank != b.rank:
+        raise ValueError(f"merge_reports: reports of ranks {a.rank} and {b.rank} cannot merge (our bug)")
     return WorkerReport(
+        rank=a.rank,
         finished_load_reqs=a.finished_load_reqs + b.finished_load_reqs,
         completed_store_events=a.completed_store_events + b.completed_store_events,
         failed_store_events=a.failed_store_events + b.failed_store_events,

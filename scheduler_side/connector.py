@@ -5,7 +5,8 @@ through `GpuPool`. Per engine step, in vLLM's order (SPEC §4):
 1. `get_num_new_matched_tokens`: CPU lookup after the GPU hit; pins the hit's CPU blocks (pending hit).
 2. `update_state_after_alloc`: turns the pending hit into a load job onto the new GPU blocks.
 3. `build_connector_meta`: one load event for all new load jobs, one store event for the chosen stores.
-4. `update_connector_output`: worker reports complete loads and stores (stores register CPU blocks).
+4. `update_connector_output`: each rank's report completes loads and stores (stores register CPU blocks);
+   a transfer completes once every rank reported it once. Both adapters use this one path.
 5. `request_finished`: never delays the engine's block free; our references keep in-flight blocks alive.
 
 Reference ownership (the invariant that makes abort/preempt/finish safe at any point):
@@ -46,7 +47,7 @@ class StoreEvent:
     gpu_block_ids: list[int]
     cpu_blocks: list[Block]
     keys: list[bytes]
-    num_reports: int = 0
+    reported_ranks: set[int] = field(default_factory=set)  # ranks that reported it (each counts once)
     failed: bool = False
 
 
@@ -103,6 +104,10 @@ class OffloadScheduler:
             if state.finished:  # a new request reuses the id of a finished one whose load is still in flight
                 return None, False  # ask again once that load is done and its state is gone
             raise SchedulerError(f"lookup for request {request.request_id} while its load is in flight")
+        elif state.request is not request:
+            # Adopting it would store the new request's blocks under the old prompt's hashes: wrong KV later.
+            raise SchedulerError(f"lookup for request id {request.request_id!r} with a different request object "
+                                 "while the first is still live (not finished); request ids must be unique")
         self._drop_pending_hit(state)
         state.finished = False
         self.stats.num_lookups += 1
@@ -164,6 +169,9 @@ class OffloadScheduler:
         does not match the pending hit raises `SchedulerError` and changes nothing.
         """
         state = self._requests.get(request.request_id)
+        if state is not None and state.request is not request:
+            raise SchedulerError(f"update_state_after_alloc for request id {request.request_id!r} with a different "
+                                 "request object than the live one; request ids must be unique")
         hit = state.pending_hit if state is not None else None
         n = self._check_external_tokens(request, hit, gpu_block_ids, num_external_tokens)
         if state is None:
@@ -279,30 +287,29 @@ class OffloadScheduler:
         return blocks
 
     # ------------------------------------------------------------------ 4. completions
-    def update_connector_output(self, reports: WorkerReport | Iterable[WorkerReport], *,
-                                count_loads: bool = True) -> None:
-        """Apply one report per rank (or a single report when world_size == 1).
-
-        With `count_loads=False` the reports' `finished_load_reqs` are ignored: the engine reports finished
-        loads itself through `finished_loading` (vLLM's `finished_recving`), and a load must not count twice.
-        """
+    def update_connector_output(self, reports: WorkerReport | Iterable[WorkerReport]) -> None:
+        """Apply worker reports (any number per rank; each names its rank). A load or store completes once
+        every rank has reported it once; a rank repeating itself is logged and ignored. A rank outside
+        `[0, world_size)` or an event id that was never issued (negative included) raises `SchedulerError`."""
         if isinstance(reports, WorkerReport):
             reports = [reports]
         stats = self.stats
         for report in reports:
+            rank = report.rank
+            if not 0 <= rank < self.world_size:
+                raise SchedulerError(f"worker report from rank {rank}; allowed: 0..{self.world_size - 1}")
             stats.bytes_stored += report.bytes_stored
             stats.bytes_loaded += report.bytes_loaded
             stats.store_seconds += report.store_seconds
             stats.load_seconds += report.load_seconds
             if report.failed_load_gpu_blocks:
                 self._forget_failed_loads(report.failed_load_gpu_blocks)
-            if count_loads:
-                for req_id in report.finished_load_reqs:
-                    self._on_load_report(req_id)
+            for req_id in report.finished_load_reqs:
+                self._on_load_report(req_id, rank)
             for event_id in report.completed_store_events:
-                self._on_store_report(event_id, failed=False)
+                self._on_store_report(event_id, False, rank)
             for event_id in report.failed_store_events:
-                self._on_store_report(event_id, failed=True)
+                self._on_store_report(event_id, True, rank)
 
     def _forget_failed_loads(self, failed_gpu_block_ids: Iterable[int]) -> None:
         """A block whose load failed must not be offered again: the engine recomputes it, and a copy that
@@ -317,22 +324,17 @@ class OffloadScheduler:
                 if gpu_id in failed:
                     self.cpu_pool.uncache(cpu_block)
 
-    def finished_loading(self, finished_req_ids: Iterable[str]) -> None:
-        """Loads reported by the engine itself (vLLM aggregates `finished_recving` across ranks)."""
-        for req_id in finished_req_ids:
-            state = self._requests.get(req_id)
-            if state is not None and state.load is not None:
-                state.load.num_reports = self.world_size - 1
-            self._on_load_report(req_id)
-
-    def _on_load_report(self, req_id: str) -> None:
+    def _on_load_report(self, req_id: str, rank: int) -> None:
         state = self._requests.get(req_id)
         job = state.load if state is not None else None
         if state is None or job is None or job.event_id is None:
             logger.warning("ignoring a load completion for request %s with no load in flight", req_id)
             return
-        job.num_reports += 1
-        if job.num_reports < self.world_size:
+        if rank in job.reported_ranks:
+            logger.warning("ignoring a repeated load completion for request %s from rank %d", req_id, rank)
+            return
+        job.reported_ranks.add(rank)
+        if len(job.reported_ranks) < self.world_size:
             return
         state.load = None
         self.gpu_pool.free(job.gpu_block_ids)
@@ -341,16 +343,20 @@ class OffloadScheduler:
         if state.finished:
             del self._requests[req_id]
 
-    def _on_store_report(self, event_id: int, failed: bool) -> None:
+    def _on_store_report(self, event_id: int, failed: bool, rank: int) -> None:
         event = self._store_events.get(event_id)
         if event is None:
-            if event_id >= self._next_store_event:
-                raise SchedulerError(f"completion for store event {event_id}, which was never issued")
-            logger.warning("ignoring a duplicate completion of store event %d", event_id)
+            if not 0 <= event_id < self._next_store_event:
+                raise SchedulerError(f"completion for store event {event_id}, which was never issued "
+                                     f"(issued so far: 0..{self._next_store_event - 1})")
+            logger.warning("ignoring a late completion of store event %d (already complete)", event_id)
+            return
+        if rank in event.reported_ranks:
+            logger.warning("ignoring a repeated completion of store event %d from rank %d", event_id, rank)
             return
         event.failed |= failed
-        event.num_reports += 1
-        if event.num_reports < self.world_size:
+        event.reported_ranks.add(rank)
+        if len(event.reported_ranks) < self.world_size:
             return
         del self._store_events[event_id]
         cpu_pool, inflight = self.cpu_pool, self._inflight_store_keys

@@ -29,7 +29,7 @@ class LoadJob:
     gpu_block_ids: list[int]
     cpu_blocks: list[Block]
     event_id: int | None = None  # set when build_connector_meta hands it to the workers
-    num_reports: int = 0  # ranks that reported it finished
+    reported_ranks: set[int] = field(default_factory=set)  # ranks that reported it finished (each once)
 
     def __post_init__(self) -> None:
         if len(self.gpu_block_ids) != len(self.cpu_blocks):

@@ -243,18 +243,72 @@ def test_tensor_parallel_events_need_every_rank():
     a = FakeRequest("A", list(range(40)), BS)
     _, _, ids = admit(sched, gpu, a)
     meta = sched.build_connector_meta([step_done("A", ids, 40)])
-    sched.update_connector_output([report(completed_store_events=[meta.store_event])])
+    sched.update_connector_output([report(rank=0, completed_store_events=[meta.store_event])])
     b = FakeRequest("B", list(range(40)), BS)
     assert sched.get_num_new_matched_tokens(b, 0) == (None, False)  # rank 1 has not reported yet
-    sched.update_connector_output([report(completed_store_events=[meta.store_event])])
+    sched.update_connector_output([report(rank=1, completed_store_events=[meta.store_event])])
     _, _, b_ids = admit(sched, gpu, b)
     meta = sched.build_connector_meta([])
-    sched.update_connector_output([report(finished_load_reqs=["B"])])
-    assert gpu.blocks[b_ids[0]].ref_cnt == 2  # one rank still copying
-    sched.update_connector_output([report(finished_load_reqs=["B"])])
+    sched.update_connector_output([report(rank=1, finished_load_reqs=["B"])])
+    assert gpu.blocks[b_ids[0]].ref_cnt == 2  # rank 0 still copying
+    sched.update_connector_output([report(rank=0, finished_load_reqs=["B"])])
     assert gpu.blocks[b_ids[0]].ref_cnt == 1
     finish(sched, gpu, a, ids)
     finish(sched, gpu, b, b_ids)
+    assert_idle(sched, gpu)
+
+
+def test_a_rank_reporting_twice_completes_nothing(caplog):
+    """TP 2: rank 0's report delivered twice (or an event listed twice) must not stand in for rank 1's:
+    the store's CPU blocks stay un-hit-able and the load's blocks stay pinned until rank 1 reports."""
+    sched, gpu = make_scheduler(block_size=BS, world_size=2)
+    a = FakeRequest("A", list(range(40)), BS)
+    _, _, ids = admit(sched, gpu, a)
+    meta = sched.build_connector_meta([step_done("A", ids, 40)])
+    with caplog.at_level(logging.WARNING):
+        sched.update_connector_output([report(rank=0, completed_store_events=[meta.store_event] * 2),
+                                       report(rank=0, completed_store_events=[meta.store_event])])
+    assert "repeated completion" in caplog.text
+    b = FakeRequest("B", list(range(40)), BS)
+    assert sched.get_num_new_matched_tokens(b, 0) == (None, False)  # still being stored on rank 1
+    sched.update_connector_output(report(rank=1, completed_store_events=[meta.store_event]))
+    _, _, b_ids = admit(sched, gpu, b)
+    sched.build_connector_meta([])
+    sched.update_connector_output([report(rank=0, finished_load_reqs=["B", "B"])] * 2)
+    assert gpu.blocks[b_ids[0]].ref_cnt == 2  # rank 1 may still be writing these blocks
+    sched.update_connector_output(report(rank=1, finished_load_reqs=["B"]))
+    assert gpu.blocks[b_ids[0]].ref_cnt == 1
+    finish(sched, gpu, a, ids)
+    finish(sched, gpu, b, b_ids)
+    assert_idle(sched, gpu)
+
+
+@pytest.mark.parametrize("bad", [dict(completed_store_events=[-1]), dict(failed_store_events=[-3]),
+                                 dict(rank=2), dict(rank=-1)])
+def test_negative_event_ids_and_unknown_ranks_are_refused(bad):
+    sched, gpu = make_scheduler(block_size=BS, world_size=2)
+    a = FakeRequest("A", list(range(40)), BS)
+    _, _, ids = admit(sched, gpu, a)
+    sched.build_connector_meta([step_done("A", ids, 40)])
+    with pytest.raises(SchedulerError, match="never issued|allowed: 0..1"):
+        sched.update_connector_output(report(**bad))
+
+
+def test_a_live_request_id_reused_by_another_request_raises():
+    """Adopting the new object would store its blocks under the old prompt's hashes (wrong KV later)."""
+    sched, gpu = make_scheduler(block_size=BS)
+    a = FakeRequest("A", list(range(40)), BS)
+    _, _, ids = admit(sched, gpu, a)
+    impostor = FakeRequest("A", list(range(100, 140)), BS)
+    with pytest.raises(SchedulerError, match="different request object"):
+        sched.get_num_new_matched_tokens(impostor, 0)
+    with pytest.raises(SchedulerError, match="different request object"):
+        sched.update_state_after_alloc(impostor, ids, 0)
+    meta = sched.build_connector_meta([step_done("A", ids, 40)])  # A's state is unchanged
+    assert meta.store_gpu_blocks == ids[:40 // BS]  # A's full blocks, under A's hashes
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    finish(sched, gpu, a, ids)
+    assert sched.get_num_new_matched_tokens(impostor, 0) == (0, False)  # A is finished: the id is free
     assert_idle(sched, gpu)
 
 
@@ -282,7 +336,7 @@ def test_misuse_raises_and_late_completions_are_ignored(caplog):
     with caplog.at_level(logging.WARNING):
         sched.update_connector_output(report(completed_store_events=[meta.store_event],
                                              finished_load_reqs=["nobody"]))
-    assert "duplicate completion" in caplog.text and "no load in flight" in caplog.text
+    assert "late completion" in caplog.text and "no load in flight" in caplog.text
     finish(sched, gpu, a, ids)
     assert_idle(sched, gpu)
 

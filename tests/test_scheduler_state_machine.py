@@ -70,13 +70,19 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.stores[meta.store_event] = list(meta.store_gpu_blocks)
             assert len(meta.store_gpu_blocks) == len(meta.store_cpu_blocks)
 
+    def every_rank(self, data, **fields) -> list:
+        """One report per rank in a random order, with repeats from the same rank mixed in (ignored)."""
+        ranks = data.draw(st.permutations(range(self.world_size)))
+        repeats = data.draw(st.lists(st.sampled_from(ranks), max_size=2))
+        return [report(rank=r, **fields) for r in [*repeats[:1], *ranks, *repeats[1:]]]
+
     @precondition(lambda self: self.stores)
     @rule(data=st.data(), failed=st.booleans())
     def complete_store(self, data, failed):
         event = data.draw(st.sampled_from(sorted(self.stores)))
         del self.stores[event]
         key = "failed_store_events" if failed else "completed_store_events"
-        self.sched.update_connector_output([report(**{key: [event]})] * self.world_size)
+        self.sched.update_connector_output(self.every_rank(data, **{key: [event]}))
 
     @precondition(lambda self: self.sent_loads)
     @rule(data=st.data(), failed=st.booleans())
@@ -84,7 +90,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(self.sent_loads))
         self.sent_loads.remove(rid)
         self.sched.update_connector_output(
-            [report(finished_load_reqs=[rid], failed_load_gpu_blocks=[1] if failed else [])] * self.world_size)
+            self.every_rank(data, finished_load_reqs=[rid], failed_load_gpu_blocks=[1] if failed else []))
         if rid in self.reqs:
             self.reqs[rid].loading = False
 
@@ -128,9 +134,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             if meta.store_event is not None:
                 self.stores[meta.store_event] = list(meta.store_gpu_blocks)
             for event in list(self.stores):
-                self.sched.update_connector_output([report(completed_store_events=[event])] * self.world_size)
+                self.sched.update_connector_output(
+                    [report(rank=r, completed_store_events=[event]) for r in range(self.world_size)])
             for rid in self.sent_loads:
-                self.sched.update_connector_output([report(finished_load_reqs=[rid])] * self.world_size)
+                self.sched.update_connector_output(
+                    [report(rank=r, finished_load_reqs=[rid]) for r in range(self.world_size)])
             self.stores, self.sent_loads = {}, []
             if self.sched.num_inflight_transfers == 0:
                 break

@@ -1,8 +1,8 @@
 """OffloadConnector inside vLLM's real `Scheduler`, stepped with fake model-runner outputs.
 
 The fake "worker" completes each step's transfers the way our worker role reports them: loads as
-`finished_recving` (optionally held back to model a slow load), stores as an `OffloadWorkerMetadata`
-report. No model runs; the tiny config-only model dir only feeds vLLM's config.
+`finished_recving` for vLLM and in the rank's `OffloadWorkerMetadata` report for us (optionally held back
+to model a slow load), stores in that report. No model runs; the tiny config-only model dir only feeds vLLM's config.
 """
 
 from __future__ import annotations
@@ -135,7 +135,8 @@ class Sim:
         finished_recving: set[str] = set()
         if not self.hold_loads:
             finished_recving, self._held = self._held, set()
-        report = WorkerReport(completed_store_events=[] if meta.store_event is None else [meta.store_event])
+        report = WorkerReport(completed_store_events=[] if meta.store_event is None else [meta.store_event],
+                              finished_load_reqs=sorted(finished_recving))  # as the real rank: both channels
         return KVConnectorOutput(finished_recving=finished_recving or None,
                                  kv_connector_worker_meta=OffloadWorkerMetadata(reports=[encode(report)]))
 

@@ -203,7 +203,7 @@ class OffloadWorker:
         self._loads_this_step = []
         results, self._instant = self._instant + self.backend.poll(), []
         self.backend.end_step()
-        report = WorkerReport()
+        report = WorkerReport(rank=self.rank)
         bytes_per_block = self._pool.bytes_per_block if self._pool is not None else 0
         for r in results:
             rec = self._jobs.pop(r.job_id, None)
