@@ -3,20 +3,31 @@
 The engine owns the pool. Through this view the connector only ever
 - takes one reference on a block (`touch`) while a transfer of it is in flight, and
 - drops exactly the references it took (`free`), optionally putting blocks that reach zero at the *head*
-  of vLLM's free queue (evicted first) instead of the tail, and
+  of vLLM's free queue (evicted first) instead of vLLM's own place for them, and
 - reads the free queue from its head (the eviction frontier) for lazy stores, and puts blocks it saved
   back at their place in that order (`move_to_front`).
 
 Invariants kept: a block with a connector reference has ref_cnt > 0, so it is never in vLLM's free queue
 and never handed to another request; the null block (id 0) is never touched or freed here. A failed
-`free` (a block with ref_cnt 0: our bug) raises before changing anything.
+`touch` or `free` (the null block, an id out of range, or more frees than references: our bug) raises
+before changing anything. Every call costs O(blocks named), never O(pool).
 
-Imports nothing from vLLM at module level: it works on any object shaped like vLLM 0.32's `BlockPool`
-(`blocks`, `touch`, `free_blocks`, `free_block_queue` with `fake_free_list_head/tail` and `prepend_n`).
+Our references are not cache accesses. vLLM's `BlockPool.touch` also reports each block to the pool's
+`KVCacheMetricsCollector` (`on_block_accessed`), which feeds the residency histograms
+(`vllm:kv_block_idle_before_evict_seconds`, `vllm:kv_block_reuse_gap_seconds`). So `touch` here does
+what vLLM's `touch` does minus that report: it takes the block out of the free queue with the queue's
+public `remove` when its count is zero and adds one to `ref_cnt`. `BlockPool` has no public method for
+that; `tests/test_vllm_gpu_pool.py` pins the equivalence against the installed vLLM.
+
+Only public vLLM API (the contract, checked by that test; vLLM 0.32): `BlockPool.blocks`, `free_blocks`,
+`get_num_free_blocks`, `free_block_queue` with `remove`, `prepend_n` and `iter_blocks_after`, and a
+block's `block_id`, `ref_cnt`, `block_hash` and `is_null`. No free-list links are read or written here.
+Imports nothing from vLLM at module level.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -41,59 +52,66 @@ class VllmGpuPool:
         return self._pool
 
     def _blocks(self, gpu_block_ids: Sequence[int]) -> list[Any]:
+        """The blocks named, refusing the null block and ids out of range before anything changes."""
         blocks = self.pool.blocks
         if gpu_block_ids and (min(gpu_block_ids) <= 0 or max(gpu_block_ids) >= len(blocks)):
             bad = next(i for i in gpu_block_ids if i <= 0 or i >= len(blocks))
             raise GpuPoolError(
                 f"GPU block id {bad} is the null block or out of range 1..{len(blocks) - 1} (our bug)"
             )
-        return [blocks[i] for i in gpu_block_ids]
+        return [blocks[i] for i in gpu_block_ids]  # vLLM's null block is block 0, refused above
 
     def touch(self, gpu_block_ids: Sequence[int]) -> None:
-        self.pool.touch(self._blocks(gpu_block_ids))
+        """Take one reference on each block: `BlockPool.touch` without its cache-access report."""
+        queue = self.pool.free_block_queue
+        for block in self._blocks(gpu_block_ids):
+            if block.ref_cnt == 0:
+                queue.remove(block)  # a free block is always in the queue (vLLM's invariant)
+            block.ref_cnt += 1
 
     def free(self, gpu_block_ids: Sequence[int], front: bool = False) -> None:
+        """Drop one reference per id listed. At zero vLLM's `free_blocks` queues a block (hashed: tail,
+        unhashed: head); with `front` the blocks reaching zero then go to the head, first listed first."""
         blocks = self._blocks(gpu_block_ids)
-        for block in blocks:
-            if block.ref_cnt <= 0:
-                raise GpuPoolError(f"free of GPU block {block.block_id} with ref_cnt {block.ref_cnt} (our bug)")
+        if any(b.ref_cnt <= 0 for b in blocks) or len(set(gpu_block_ids)) != len(gpu_block_ids):
+            for gpu_block_id, num_frees in Counter(gpu_block_ids).items():  # the slow path names the block
+                ref_cnt = self.pool.blocks[gpu_block_id].ref_cnt
+                if ref_cnt < num_frees:
+                    raise GpuPoolError(
+                        f"{num_frees} free(s) of GPU block {gpu_block_id} with ref_cnt {ref_cnt} (our bug)")
+        self.pool.free_blocks(blocks)
         if not front:
-            # vLLM's own order: hashed blocks to the tail (LRU), unhashed ones to the head.
-            self.pool.free_blocks(blocks)
             return
-        released = []
-        for block in blocks:
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                released.append(block)
-        # prepend_n keeps list order: the first listed block ends up nearest the head.
-        self.pool.free_block_queue.prepend_n(released)
+        pool_blocks = self.pool.blocks
+        released = [pool_blocks[i] for i in dict.fromkeys(gpu_block_ids) if pool_blocks[i].ref_cnt == 0]
+        queue = self.pool.free_block_queue
+        for block in released:
+            queue.remove(block)
+        queue.prepend_n(released)  # keeps list order: the first listed block ends up nearest the head
 
     def eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         """(gpu_block_id, cache key or None) of free blocks, walking from the head of vLLM's free queue.
 
-        Callers must stop iterating before changing the pool (the walk follows live links).
+        Callers must stop iterating before changing the pool (the walk follows the live queue).
         """
-        queue = self.pool.free_block_queue
-        tail = queue.fake_free_list_tail
-        block = queue.fake_free_list_head.next_free_block
-        while block is not None and block is not tail:
+        for block in self.pool.free_block_queue.iter_blocks_after(None):
             yield block.block_id, block.block_hash
-            block = block.next_free_block
 
     def move_to_front(self, blocks: Sequence[tuple[int, bytes | None]]) -> None:
         """Put these free blocks at the head of vLLM's free queue, first listed nearest the head.
 
         A block that is held now, or whose hash changed since it was listed, stays where it is.
         """
-        queue = self.pool.free_block_queue
-        moved = []
+        pool_blocks = self.pool.blocks
+        moved: dict[int, Any] = {}  # by id, in list order: a block listed twice moves once
         for gpu_block_id, key in blocks:
-            block = self.pool.blocks[gpu_block_id]
-            if block.ref_cnt == 0 and block.block_hash == key and block.prev_free_block is not None:
-                queue.remove(block)
-                moved.append(block)
-        queue.prepend_n(moved)
+            block = pool_blocks[gpu_block_id]
+            if block.ref_cnt == 0 and not block.is_null and block.block_hash == key:
+                moved.setdefault(gpu_block_id, block)
+        queue = self.pool.free_block_queue
+        for block in moved.values():
+            queue.remove(block)
+        queue.prepend_n(list(moved.values()))
 
     def num_free_blocks(self) -> int:
-        return self.pool.free_block_queue.num_free_blocks
+        return self.pool.get_num_free_blocks()

@@ -26,10 +26,14 @@ class RequestLike(Protocol):
 
 class GpuPool(Protocol):
     def touch(self, gpu_block_ids: Sequence[int]) -> None:
-        """Take one reference on each block (a block in the free queue leaves it)."""
+        """Take one reference on each block (a block in the free queue leaves it).
+
+        Our references are not cache accesses: the engine's cache metrics must not count them.
+        """
 
     def free(self, gpu_block_ids: Sequence[int], front: bool = False) -> None:
-        """Drop one of our references; at zero the block enters the free queue (tail, or head if front)."""
+        """Drop one of our references; at zero the block enters the free queue (where the engine puts a freed
+        block, or at the head if front, the first listed nearest the head)."""
 
     def eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         """(gpu_block_id, cache key or None) of free blocks, from the eviction frontier onwards."""
