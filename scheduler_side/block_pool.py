@@ -7,6 +7,9 @@ Invariants (checked by `check_integrity()`):
 - every other block is either in the free queue (ref_cnt == 0) or held (ref_cnt > 0), never both;
 - `cached` maps a hash to the block holding that content, and that block's `block_hash` equals the key;
   a cached block may be free (evictable, hit-able) or held;
+- `reserved` maps a hash to the held block its content is being written into (a store in flight): its
+  `block_hash` equals the key, it is not hit-able, and it never sits in `cached` too. `commit` turns a
+  reservation into a cached entry, `abort` forgets it; the key lives in the pool alone meanwhile;
 - allocation pops the LRU head (with `eviction="arc"`: ARC's choice, see `arc_queue`) and, if the popped
   block was cached, drops it from `cached` first.
 
@@ -15,7 +18,7 @@ A failed `allocate` changes nothing. Only the owner of a reference may `free` it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from scheduler_side.arc_queue import ArcFreeQueue
 from scheduler_side.free_queue import Block, FreeBlockQueue
@@ -43,6 +46,7 @@ class BlockPool:
         self.free_queue: FreeBlockQueue | ArcFreeQueue = (
             ArcFreeQueue(self.blocks[1:], history) if eviction == "arc" else FreeBlockQueue(self.blocks[1:]))
         self.cached: dict[bytes, Block] = {}
+        self.reserved: dict[bytes, Block] = {}  # content on its way into a held block (not hit-able yet)
         self.on_evict = on_evict  # (key, evicted) for every cached block dropped; evicted: by allocation (LRU)
         self.num_evictions = 0  # cached blocks dropped because their block was reallocated (LRU)
 
@@ -137,6 +141,34 @@ class BlockPool:
         self.free_queue.on_cached(block, block_hash)
         return True
 
+    def reserve(self, blocks: Sequence[Block], keys: Sequence[bytes]) -> None:
+        """Mark held, empty blocks as receiving these keys' content. Raises (changing nothing) on a block
+        that is free or holds content, or on a key already cached or reserved: caller bugs."""
+        for block, key in zip(blocks, keys, strict=True):
+            if block.ref_cnt <= 0 or block.block_hash is not None or key in self.reserved or key in self.cached:
+                raise PoolError(f"reserve of {block} for key {key.hex()[:8]}: the block must be held and empty, "
+                                "the key neither cached nor reserved (caller bug)")
+        for block, key in zip(blocks, keys, strict=True):
+            block.block_hash = key
+            self.reserved[key] = block
+
+    def commit(self, block: Block) -> bytes | None:
+        """The reserved content arrived: cache it. Returns its key (None if another block caches it now)."""
+        key = self._unreserve(block)
+        return key if self.cache(block, key) else None
+
+    def abort(self, block: Block) -> None:
+        """The reserved content will not arrive (a failed copy): forget the reservation."""
+        self._unreserve(block)
+
+    def _unreserve(self, block: Block) -> bytes:
+        key = block.block_hash
+        if key is None or self.reserved.get(key) is not block:
+            raise PoolError(f"commit or abort of {block}, which holds no reservation (caller bug)")
+        del self.reserved[key]
+        block.block_hash = None
+        return key
+
     def uncache(self, block: Block) -> None:
         """Forget `block`'s content (it will not be hit again)."""
         self._drop_hash(block)
@@ -177,6 +209,9 @@ class BlockPool:
         for h, block in self.cached.items():
             if block.block_hash != h:
                 raise PoolError(f"cache map entry for {block} does not match its hash")
+        for h, block in self.reserved.items():
+            if block.block_hash != h or block.ref_cnt <= 0 or self.cached.get(h) is block:
+                raise PoolError(f"reservation of {block}: its hash must match, it must be held and not cached")
 
     def num_held_blocks(self) -> int:
         """Blocks (other than the null block) with ref_cnt > 0."""

@@ -28,27 +28,25 @@ from offload_connector.metadata import TransferMetadata, WorkerReport
 from scheduler_side.block_pool import BlockPool
 from scheduler_side.free_queue import Block
 from scheduler_side.interfaces import GpuPool, RequestLike, StepRequest
-from scheduler_side.request_state import LoadJob, PendingHit, RequestState
+from scheduler_side.lazy_policy import LazyStorePolicy
+from scheduler_side.policy_view import SchedulerView
+from scheduler_side.request_state import LoadJob, PendingHit, RequestState, StoreEvent
 from scheduler_side.stats import SchedulerStats
-from scheduler_side.store_policy import StorePolicy, make_store_policy
+from scheduler_side.store_policy import EagerStorePolicy, PolicyView, StorePolicy
 
 logger = logging.getLogger(__name__)
 
 
+def make_store_policy(config: OffloadConfig, view: PolicyView) -> StorePolicy:
+    if config.store_policy == "eager":
+        return EagerStorePolicy(view)
+    if config.store_policy == "lazy":
+        return LazyStorePolicy(view)
+    raise ValueError(f"unknown store_policy {config.store_policy!r}; allowed: eager, lazy")
+
+
 class SchedulerError(RuntimeError):
     """Misuse of the scheduler-side API (unknown request or event): a caller bug, state left unchanged."""
-
-
-@dataclass(slots=True)
-class StoreEvent:
-    """One step's stores. Holds one reference on every GPU and CPU block listed until complete."""
-
-    event_id: int
-    gpu_block_ids: list[int]
-    cpu_blocks: list[Block]
-    keys: list[bytes]
-    reported_ranks: set[int] = field(default_factory=set)  # ranks that reported it (each counts once)
-    failed: bool = False
 
 
 @dataclass(slots=True)
@@ -83,11 +81,12 @@ class OffloadScheduler:
         self._requests: dict[str, RequestState] = {}
         self._loads_to_send: list[RequestState] = []  # load jobs created since the last metadata
         self._store_events: dict[int, StoreEvent] = {}
-        self._inflight_store_keys: dict[bytes, Block] = {}  # keys being stored now -> CPU block
         self._next_load_event = 0
         self._next_store_event = 0
         self._kv_events: list[KVEvent] = []
-        self.policy: StorePolicy = make_store_policy(self.config, self)
+        self.policy: StorePolicy = make_store_policy(self.config, SchedulerView(
+            self.cpu_pool, self.gpu_pool, self._store_events, self.block_size, self.group_id,
+            self.max_blocks_per_step, self.config.lazy_lookahead_blocks))
 
     # ------------------------------------------------------------------ 1. lookup
     def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -120,18 +119,19 @@ class OffloadScheduler:
         first = num_computed_tokens // bs
         last = min(len(hashes), (request.num_tokens - 1) // bs)  # keep >= 1 token to compute
         hits: list[Block] = []
-        cached, group = self.cpu_pool.cached, self.group_id
+        cached, reserved, group = self.cpu_pool.cached, self.cpu_pool.reserved, self.group_id
         for i in range(first, last):
             key = with_group_id(hashes[i], group)
             block = cached.get(key)
             if block is None:
-                if key in self._inflight_store_keys:
+                if key in reserved:
                     return None, False  # its store completes soon: ask again next step
                 if self._arc:
                     self._note_misses(hashes, i, last)
                 break
             hits.append(block)
         if not self.policy.may_admit(state, len(hits)):
+            state.num_deferrals += 1
             state.lookup_pending = False
             self.stats.num_deferred_lookups += 1
             return None, False  # its allocation would evict GPU blocks not saved yet: ask again next step
@@ -185,7 +185,11 @@ class OffloadScheduler:
             self.stats.num_lookup_tokens += max(0, request.num_tokens - state.num_gpu_hit_blocks * self.block_size)
             if self._arc:
                 self._note_reuse(state, state.num_gpu_hit_blocks + n)
-            self.policy.on_allocated(state, state.num_gpu_hit_blocks)
+            cpu_pool = self.cpu_pool
+            for key in self.policy.on_allocated(state, state.num_gpu_hit_blocks):
+                block = cpu_pool.lookup(key)
+                if block is not None:
+                    cpu_pool.discard(block)  # a held copy (a load source) stays
             self.policy.on_blocks_allocated(len(state.gpu_block_ids) - state.num_gpu_hit_blocks)
         state.pending_hit = None
         if hit is None:
@@ -199,7 +203,6 @@ class OffloadScheduler:
         state.load = LoadJob(gpu_ids, hit.cpu_blocks[:n])
         self.stats.num_hit_tokens += num_external_tokens
         self._loads_to_send.append(state)
-        self.policy.on_load_scheduled(state.load)
 
     def _check_external_tokens(self, request: RequestLike, hit: PendingHit | None,
                                gpu_block_ids: Sequence[int], num_external_tokens: int) -> int:
@@ -253,9 +256,11 @@ class OffloadScheduler:
             state.num_computed_tokens = num_computed_tokens
             on_scheduled(state, num_computed_tokens)
 
-        gpu_ids, keys = self.policy.select_stores()
-        event = self._emit_store(meta, gpu_ids, keys) if gpu_ids else None
-        self.policy.on_stores_emitted(event)
+        picks = self.policy.pick_stores()
+        event = self._emit_store(meta, picks.gpu_ids, picks.keys) if picks.gpu_ids else None
+        if picks.release_gpu_ids:  # blocks the policy held for this event (which took its own references)
+            self.gpu_pool.free(picks.release_gpu_ids)
+        self.policy.on_stores_emitted(*((event.event_id, event.gpu_block_ids) if event else (None, [])))
         return meta
 
     def _emit_store(self, meta: TransferMetadata, gpu_ids: list[int], keys: list[bytes]) -> StoreEvent | None:
@@ -266,11 +271,8 @@ class OffloadScheduler:
         if not gpu_ids:
             return None
         self.gpu_pool.touch(gpu_ids)
-        inflight = self._inflight_store_keys
-        for block, key in zip(cpu_blocks, keys, strict=True):
-            block.block_hash = key  # stamped now, registered in the map only once the copy is done
-            inflight[key] = block
-        event = StoreEvent(self._next_store_event, gpu_ids, cpu_blocks, keys)
+        self.cpu_pool.reserve(cpu_blocks, keys)  # hit-able only once every rank has copied its shard
+        event = StoreEvent(self._next_store_event, gpu_ids, cpu_blocks)
         self._next_store_event += 1
         self._store_events[event.event_id] = event
         meta.store_event = event.event_id
@@ -338,8 +340,12 @@ class OffloadScheduler:
             return
         state.load = None
         self.gpu_pool.free(job.gpu_block_ids)
-        self.policy.on_load_complete(job)
-        self.cpu_pool.free(job.cpu_blocks, front=self.policy.cpu_copy_worthless_after_load)
+        cpu_pool = self.cpu_pool
+        if self.policy.on_load_complete(job):  # the GPU holds the content now: forget the CPU copies
+            for block in job.cpu_blocks:
+                if block.ref_cnt == 1:  # only the load's own reference, dropped right below
+                    cpu_pool.uncache(block)
+        cpu_pool.free(job.cpu_blocks, front=self.policy.cpu_copy_worthless_after_load)
         if state.finished:
             del self._requests[req_id]
 
@@ -359,15 +365,14 @@ class OffloadScheduler:
         if len(event.reported_ranks) < self.world_size:
             return
         del self._store_events[event_id]
-        cpu_pool, inflight = self.cpu_pool, self._inflight_store_keys
-        failed = event.failed
+        cpu_pool, failed = self.cpu_pool, event.failed
         kv_events = self._kv_events if self.emit_kv_events else None
-        for block, key in zip(event.cpu_blocks, event.keys, strict=True):
-            if inflight.get(key) is block:
-                del inflight[key]
-            if failed or not cpu_pool.cache(block, key):
-                block.block_hash = None  # nothing hit-able here (a failed copy, or the key is cached already)
-            elif kv_events is not None:
+        for block in event.cpu_blocks:
+            if failed:
+                cpu_pool.abort(block)
+                continue
+            key = cpu_pool.commit(block)  # None: the key is cached already (nothing hit-able here)
+            if key is not None and kv_events is not None:
                 kv_events.append(KVEvent("stored", key))
         if failed:
             self.stats.num_failed_store_blocks += len(event.cpu_blocks)
@@ -376,7 +381,9 @@ class OffloadScheduler:
             self.stats.num_stored_blocks += len(event.cpu_blocks)
             cpu_pool.free(event.cpu_blocks)
         self.gpu_pool.free(event.gpu_block_ids, front=self.policy.gpu_copy_worthless_after_store and not failed)
-        self.policy.on_store_complete(event)
+        frontier = self.policy.on_store_complete(event_id)
+        if frontier:  # saved blocks went to the head: the policy restores the GPU's LRU order around them
+            self.gpu_pool.move_to_front(frontier)
 
     def _on_cpu_evict(self, key: bytes, evicted: bool) -> None:
         if self.emit_kv_events:
@@ -389,7 +396,9 @@ class OffloadScheduler:
         if state is None:
             return False, None
         self._drop_pending_hit(state)
-        self.policy.on_request_finished(state)
+        hold = self.policy.on_request_finished(state)
+        if hold:  # released by the policy's next pick_stores, after the store event took its own
+            self.gpu_pool.touch(hold)
         if state.load is not None:
             state.finished = True  # deleted when its load completes (a queued load is still sent)
         else:
@@ -416,7 +425,7 @@ class OffloadScheduler:
 
     def is_saved(self, key: bytes) -> bool:
         """A copy of this block's content is on the CPU tier or being stored there."""
-        return key in self.cpu_pool.cached or key in self._inflight_store_keys
+        return key in self.cpu_pool.cached or key in self.cpu_pool.reserved
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests

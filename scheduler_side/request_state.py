@@ -3,7 +3,8 @@
 Lifecycle: created at the first lookup (`get_num_new_matched_tokens`); a pending hit pins CPU blocks
 until `update_state_after_alloc` turns it into a load job (or drops it); `request_finished` marks the
 request finished, and the state is deleted once no load job of it is in flight. Store jobs belong to
-store events, not to requests, so a request never waits for its stores to be deleted.
+store events (`StoreEvent`, one per step), not to requests, so a request never waits for its stores to
+be deleted. Transfers complete once every tensor-parallel rank reported them, each rank once.
 """
 
 from __future__ import annotations
@@ -40,6 +41,18 @@ class LoadJob:
     @property
     def num_blocks(self) -> int:
         return len(self.gpu_block_ids)
+
+
+@dataclass(slots=True)
+class StoreEvent:
+    """One step's stores. Holds one reference on every GPU and CPU block listed until complete; the CPU
+    blocks' keys are reservations in the CPU pool (`BlockPool.reserve`) until then."""
+
+    event_id: int
+    gpu_block_ids: list[int]
+    cpu_blocks: list[Block]
+    reported_ranks: set[int] = field(default_factory=set)  # ranks that reported it (each counts once)
+    failed: bool = False
 
 
 @dataclass(slots=True)

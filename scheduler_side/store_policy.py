@@ -1,289 +1,140 @@
-"""Which GPU blocks to store to the CPU tier each step.
+"""Which GPU blocks to store to the CPU tier each step: the policy interface and the eager policy.
+
+A policy sees the scheduler through a read-only `PolicyView` and never changes the pools itself: hooks that
+want a pool changed *return* what to change, and the scheduler applies it. A hook may change only the
+policy's own state and, where its docstring says so, the request's store cursor
+(`RequestState.num_store_checked_blocks`). Call order, per engine step (the scheduler's):
+1. lookup: `may_admit(state, cpu_hit_blocks)` -> admit now, or ask again next step (the scheduler counts the
+   deferral in `state.num_deferrals`);
+2. allocation: `on_allocated(state, gpu_hit_blocks)` -> CPU keys whose copies to discard;
+   `on_blocks_allocated(n)` for every block the engine took from its free queue;
+3. metadata: `on_scheduled(state, num_computed_tokens)` per scheduled request; then `pick_stores()` once
+   (it advances the policy's step clock) -> `StorePicks`; the scheduler emits the store event and drops
+   `picks.release_gpu_ids`; then `on_stores_emitted(event_id, stored_gpu_ids)`;
+4. completions: `on_load_complete(job)` -> forget the job's CPU copies?; `on_store_complete(event_id)` ->
+   free GPU blocks to put back at the head of the GPU free queue (`GpuPool.move_to_front`);
+5. finish: `on_request_finished(state)` -> GPU blocks to hold (one reference each) until the next
+   `pick_stores`, which lists them again in `release_gpu_ids`.
 
 - `EagerStorePolicy` (inclusive tier): every full, hashed block whose KV this step's forward completes,
   unless it is already cached on the CPU or being stored. Cost per step: O(newly completed blocks).
-- `LazyStorePolicy` (exclusive-leaning tier): only free, hashed GPU blocks within `lookahead` blocks of the
-  GPU pool's eviction frontier that are not on the CPU yet, so the GPU evicts only saved blocks. Saved GPU
-  blocks return to their place in the GPU free queue (LRU order is kept), and CPU copies of blocks that
-  were just loaded to the GPU, or that an admitted request hit on the GPU, are forgotten and go to the head of
-  the CPU free queue (the GPU holds them now; the tiers stay mostly exclusive) while the CPU tier is under
-  pressure (it evicted within the last `PRESSURE_STEPS` steps); without pressure they are kept. A request
-  whose allocation would evict unsaved blocks (a burst beyond the lookahead) is deferred one step, once,
-  while this step's store saves them. Cost per step: O(lookahead); per admission O(blocks allocated).
-
-A policy never allocates; the scheduler allocates CPU blocks for what it selects.
+- `LazyStorePolicy` (lazy_policy.py): blocks near the GPU's eviction frontier only.
+Imports nothing from the scheduler (its types come from request_state and interfaces).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
 
-from offload_connector.config import OffloadConfig
 from offload_connector.hashing import with_group_id
-
-if TYPE_CHECKING:
-    from scheduler_side.connector import OffloadScheduler, StoreEvent
-    from scheduler_side.request_state import LoadJob, RequestState
+from scheduler_side.request_state import LoadJob, RequestState
 
 
-PRESSURE_STEPS = 64  # lazy: steps after a CPU eviction during which the tier counts as under pressure
-MAX_DEFERRALS = 1  # lazy: steps a request may be deferred so that its allocation evicts only saved blocks
-LOOKAHEAD_FACTOR = 2.0  # lazy lookahead / recent peak per-step allocation (loads included)
+class PolicyView(Protocol):
+    """What a store policy may read of the scheduler (nothing here changes state)."""
+
+    block_size: int
+    group_id: int
+    max_blocks_per_step: int | None  # the engine's allocation bound per step, if known
+    lazy_lookahead_blocks: int | None  # config override of the lazy lookahead
+
+    def is_saved(self, key: bytes) -> bool:
+        """A copy of this content is on the CPU tier or being stored there."""
+
+    def is_store_outstanding(self, event_id: int) -> bool: ...
+    def cpu_num_free_blocks(self) -> int: ...
+    def cpu_num_evictions(self) -> int:
+        """Cached CPU blocks evicted by allocation so far (a counter)."""
+    def gpu_num_free_blocks(self) -> int: ...
+    def gpu_eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
+        """(gpu_block_id, key or None) of free GPU blocks from the eviction frontier on (stop before any
+        change to the pool)."""
+
+
+@dataclass(slots=True)
+class StorePicks:
+    """`pick_stores`' answer: GPU blocks to store (with their keys), and held blocks to let go afterwards."""
+
+    gpu_ids: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    release_gpu_ids: list[int] = field(default_factory=list)  # drop after the store event took its references
 
 
 class StorePolicy:
-    cpu_copy_worthless_after_load = False
-    gpu_copy_worthless_after_store = False
+    cpu_copy_worthless_after_load = False  # a loaded block's CPU copy goes to the head of the CPU queue
+    gpu_copy_worthless_after_store = False  # a stored block goes to the head of the GPU free queue
 
-    def __init__(self, sched: OffloadScheduler) -> None:
-        self.sched = sched
-
-    def _is_saved(self, key: bytes) -> bool:
-        return self.sched.is_saved(key)
-
-    def on_allocated(self, state: RequestState, num_gpu_hit_blocks: int) -> None:
-        """The engine allocated the request's blocks; its first `num_gpu_hit_blocks` were GPU hits."""
+    def __init__(self, view: PolicyView) -> None:
+        self.view = view
 
     def may_admit(self, state: RequestState, num_cpu_hit_blocks: int) -> bool:
-        """At lookup (GPU hit known, CPU hit found): may the engine allocate now? False: retry next step."""
+        """At lookup (GPU hit known, CPU hit found): may the engine allocate now? False: retry next step.
+        May change the policy's own state."""
         return True
+
+    def on_allocated(self, state: RequestState, num_gpu_hit_blocks: int) -> list[bytes]:
+        """The engine allocated the request's blocks, the first `num_gpu_hit_blocks` GPU hits. Returns CPU
+        keys whose copies the scheduler should discard (free copies only)."""
+        return []
 
     def on_blocks_allocated(self, num_blocks: int) -> None:
         """The engine took `num_blocks` blocks from its free queue this step (new blocks, loads included)."""
 
-    def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None: ...
+    def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None:
+        """The request runs this step up to `num_computed_tokens`. May advance its store cursor."""
 
-    def select_stores(self) -> tuple[list[int], list[bytes]]:
-        return [], []
+    def pick_stores(self) -> StorePicks:
+        """This step's stores (called once per step, after every `on_scheduled`; advances the step clock)."""
+        return StorePicks()
 
-    def on_load_scheduled(self, job: LoadJob) -> None: ...
+    def on_stores_emitted(self, event_id: int | None, stored_gpu_ids: list[int]) -> None:
+        """The store event made of the picks (None, []: nothing could be stored)."""
 
-    def on_load_complete(self, job: LoadJob) -> None: ...
+    def on_load_complete(self, job: LoadJob) -> bool:
+        """Every rank finished the load. True: forget its CPU copies (blocks nobody else holds)."""
+        return False
 
-    def on_stores_emitted(self, event: StoreEvent | None) -> None:
-        """After `select_stores`: the store event made of its picks (None if nothing could be stored)."""
+    def on_store_complete(self, event_id: int) -> list[tuple[int, bytes | None]]:
+        """Every rank finished the store. Returns free GPU blocks to put back at the head of the GPU queue."""
+        return []
 
-    def on_store_complete(self, event: StoreEvent) -> None: ...
-
-    def on_request_finished(self, state: RequestState) -> None: ...
+    def on_request_finished(self, state: RequestState) -> list[int]:
+        """The engine is done with the request. Returns its GPU blocks to hold until the next store event."""
+        return []
 
     @property
     def num_held_blocks(self) -> int:
-        """GPU blocks the policy holds a reference on while they wait for the next store event."""
+        """GPU blocks held for the next store event (returned by `on_request_finished`, not yet released)."""
         return 0
 
 
 class EagerStorePolicy(StorePolicy):
-    def __init__(self, sched: OffloadScheduler) -> None:
-        super().__init__(sched)
-        self._block_size = sched.block_size
-        self._gpu_ids: list[int] = []
-        self._keys: list[bytes] = []
+    def __init__(self, view: PolicyView) -> None:
+        super().__init__(view)
+        self._picks = StorePicks()
         self._picked: set[bytes] = set()
 
     def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None:
+        """Pick the full blocks the forward completes that are not saved; advances the store cursor."""
         start = state.num_store_checked_blocks
-        end = num_computed_tokens // self._block_size
+        end = num_computed_tokens // self.view.block_size
         if end <= start:
             return  # the common decode step: no block completed
         hashes, gpu_block_ids = state.request.block_hashes, state.gpu_block_ids
         end = min(end, len(hashes), len(gpu_block_ids))
-        group = self.sched.group_id
-        picked, cached, inflight = self._picked, self.sched.cpu_pool.cached, self.sched._inflight_store_keys
+        group, picked, is_saved, picks = self.view.group_id, self._picked, self.view.is_saved, self._picks
         for i in range(start, end):
             key = with_group_id(hashes[i], group)
             gpu_id = gpu_block_ids[i]
-            if gpu_id == 0 or key in picked or key in cached or key in inflight:
+            if gpu_id == 0 or key in picked or is_saved(key):
                 continue  # the null block, or already picked, on the CPU or being stored
             picked.add(key)
-            self._gpu_ids.append(gpu_id)
-            self._keys.append(key)
+            picks.gpu_ids.append(gpu_id)
+            picks.keys.append(key)
         state.num_store_checked_blocks = max(start, end)
 
-    def select_stores(self) -> tuple[list[int], list[bytes]]:
-        out = self._gpu_ids, self._keys
-        self._gpu_ids, self._keys, self._picked = [], [], set()
-        return out
-
-
-class LazyStorePolicy(StorePolicy):
-    cpu_copy_worthless_after_load = True
-    gpu_copy_worthless_after_store = True
-
-    def __init__(self, sched: OffloadScheduler) -> None:
-        super().__init__(sched)
-        self._fixed = sched.config.lazy_lookahead_blocks
-        self._step_alloc = 0  # blocks the engine handed to requests this step
-        self._peak_alloc = 0.0  # decaying peak of per-step allocations
-        self._scanned: list[tuple[int, bytes | None]] = []  # the frontier this step's selection scanned
-        self._frontier_of: dict[int, list[tuple[int, bytes | None]]] = {}  # store event -> its frontier
-        self._held: dict[bytes, int] = {}  # key -> GPU block we hold for the next store event
-        self._last_event_id: int | None = None  # our most recent store event
-        self._steps = 0  # select_stores calls (engine steps)
-        self._evictions_seen = 0  # the CPU pool's LRU eviction count at the last step
-        self._last_eviction_step = -PRESSURE_STEPS - 1  # the last step that saw a CPU eviction
-        self._deficit = 0  # blocks that admissions deferred this step need saved by its store event
-        self._p_inflight = 0.0  # how often a store event outlasted the next step's allocations (EMA)
-
-    @property
-    def lookahead(self) -> int:
-        """Blocks from the eviction frontier to keep saved: `lazy_lookahead_blocks` if set, else the larger
-        of the engine's per-step bound and a multiple of the recent peak allocation (CPU hits allocate
-        outside the token budget, so the bound alone can fall short)."""
-        if self._fixed is not None:
-            return self._fixed
-        return max(16, self.sched.max_blocks_per_step or 0, int(LOOKAHEAD_FACTOR * self._peak_alloc))
-
-    @property
-    def _cpu_under_pressure(self) -> bool:
-        """The CPU tier evicted within the last `PRESSURE_STEPS` steps: space spent on copies of blocks
-        the GPU holds costs hits. Without pressure such copies are kept (a free second chance)."""
-        return self._steps - self._last_eviction_step <= PRESSURE_STEPS
-
-    def on_allocated(self, state: RequestState, num_gpu_hit_blocks: int) -> None:
-        """The request now holds its GPU-hit blocks: under CPU pressure their CPU copies give way. (Not at
-        lookup: a request that then fails to allocate leaves those blocks free, maybe at the frontier.)"""
-        if not num_gpu_hit_blocks or not self._cpu_under_pressure:
-            return
-        hashes = state.request.block_hashes
-        cpu_pool, group = self.sched.cpu_pool, self.sched.group_id
-        for i in range(min(num_gpu_hit_blocks, len(hashes))):
-            block = cpu_pool.lookup(with_group_id(hashes[i], group))
-            if block is not None:
-                cpu_pool.discard(block)
-
-    def on_load_complete(self, job: LoadJob) -> None:
-        """The loaded blocks are resident on the GPU now: under CPU pressure their CPU copies give way."""
-        if not self._cpu_under_pressure:
-            return
-        for block in job.cpu_blocks:
-            if block.ref_cnt == 1:  # only the load's own reference, dropped right after this
-                self.sched.cpu_pool.uncache(block)
-
-    def on_blocks_allocated(self, num_blocks: int) -> None:
-        self._step_alloc += num_blocks
-
-    def may_admit(self, state: RequestState, num_cpu_hit_blocks: int) -> bool:
-        """Defer a request (once) whose allocation would reach past the saved part of the GPU frontier.
-
-        The lookahead covers a typical step; one admission can take more (a long prompt, a large CPU hit,
-        which allocates outside the token budget). Its allocation happens right after this lookup, so the
-        free queue is exactly what it will draw from: if unsaved cached blocks lie within the blocks it
-        takes and the CPU tier has room for them, answer "next step" and add its need to this step's
-        stores. Cost O(blocks it allocates).
-        """
-        if state.num_deferrals >= MAX_DEFERRALS:
-            return True
-        req, bs = state.request, self.sched.block_size
-        rest = -(-req.num_tokens // bs) - state.num_gpu_hit_blocks - num_cpu_hit_blocks
-        bound = self.sched.max_blocks_per_step
-        need = num_cpu_hit_blocks + (rest if bound is None else min(rest, bound))
-        if need <= 0:
-            return True
-        is_saved, unsaved = self._is_saved, 0
-        for n, (_, key) in enumerate(self.sched.gpu_pool.eviction_candidates()):
-            if n >= need:
-                break
-            if key is not None and not is_saved(key):
-                unsaved += 1
-        # Worth a step only if the CPU tier can take them (a tiny tier would defer in vain).
-        if unsaved == 0 or unsaved > self.sched.cpu_pool.num_free_blocks:
-            return True
-        state.num_deferrals += 1
-        self._deficit += need
-        return False
-
-    def select_stores(self) -> tuple[list[int], list[bytes]]:
-        self._steps += 1
-        evictions = self.sched.cpu_pool.num_evictions
-        if evictions != self._evictions_seen:
-            self._evictions_seen, self._last_eviction_step = evictions, self._steps
-        self._peak_alloc = max(float(self._step_alloc), 0.9 * self._peak_alloc)
-        self._step_alloc = 0
-        gpu_ids = list(self._held.values())
-        keys = list(self._held)
-        picked = set(keys)
-        scanned: list[tuple[int, bytes | None]] = []
-        # A picked block leaves the free queue while its store is in flight. If that outlasts the next
-        # step's allocations, those allocations reach past it, so a pick must not count against the
-        # lookahead; if the store lands first, the block is back (saved) and it should. Weigh each pick by
-        # how often the last event was still in flight at the next step's metadata (`_p_inflight`).
-        event = self._last_event_id
-        if event is not None:
-            outstanding = event in self.sched._store_events
-            self._p_inflight = 0.8 * self._p_inflight + (0.2 if outstanding else 0.0)
-        pick_cost = 1.0 - self._p_inflight
-        budget = float(self.lookahead + self._deficit)
-        self._deficit = 0
-        room = self.sched.cpu_pool.num_free_blocks - len(gpu_ids)
-        for gpu_id, key in self.sched.gpu_pool.eviction_candidates():
-            if budget <= 0:
-                break
-            scanned.append((gpu_id, key))
-            if room > 0 and key is not None and key not in picked and not self._is_saved(key):
-                picked.add(key)
-                gpu_ids.append(gpu_id)
-                keys.append(key)
-                room -= 1
-                budget -= pick_cost
-            else:
-                budget -= 1
-        self._scanned = scanned
-        return gpu_ids, keys
-
-    def on_stores_emitted(self, event: StoreEvent | None) -> None:
-        """Hand held blocks over to the store event (which took its own reference); remember the frontier
-        up to the last scanned block the event stores (a full CPU pool may have cut the list)."""
-        if self._held:
-            self.sched.gpu_pool.free(list(self._held.values()))
-            self._held = {}
-        frontier, self._scanned = self._scanned, []
-        self._last_event_id = None if event is None else event.event_id
-        if event is None:
-            return
-        stored = set(event.gpu_block_ids)
-        end = next((i for i in range(len(frontier) - 1, -1, -1) if frontier[i][0] in stored), -1)
-        if end >= 0:
-            self._frontier_of[event.event_id] = frontier[:end + 1]
-
-    def on_store_complete(self, event: StoreEvent) -> None:
-        """Saved blocks went back to the head; restore the frontier's LRU order around them."""
-        frontier = self._frontier_of.pop(event.event_id, None)
-        if frontier:
-            self.sched.gpu_pool.move_to_front(frontier)
-
-    def on_request_finished(self, state: RequestState) -> None:
-        """Blocks freed now are scanned only at the next step's metadata, after that step's allocations.
-        When the free queue is shorter than the lookahead, those allocations could evict them unsaved: hold
-        them (one reference each) until the next store event takes them, as many as the CPU tier has room
-        for (holding what cannot be stored would only shrink the GPU's free queue)."""
-        pool = self.sched.gpu_pool
-        room = self.sched.cpu_pool.num_free_blocks - len(self._held)
-        if pool.num_free_blocks() >= self.lookahead or room <= 0:
-            return
-        hashes = state.request.block_hashes
-        n = min(state.num_computed_tokens // self.sched.block_size, len(hashes), len(state.gpu_block_ids))
-        ids = []
-        for i in range(n):
-            if len(ids) >= room:
-                break
-            key = with_group_id(hashes[i], self.sched.group_id)
-            gpu_id = state.gpu_block_ids[i]
-            if gpu_id == 0 or key in self._held or self._is_saved(key):
-                continue
-            self._held[key] = gpu_id
-            ids.append(gpu_id)
-        if ids:
-            pool.touch(ids)
-
-    @property
-    def num_held_blocks(self) -> int:
-        return len(self._held)
-
-
-def make_store_policy(config: OffloadConfig, sched: OffloadScheduler) -> StorePolicy:
-    if config.store_policy == "eager":
-        return EagerStorePolicy(sched)
-    if config.store_policy == "lazy":
-        return LazyStorePolicy(sched)
-    raise ValueError(f"unknown store_policy {config.store_policy!r}; allowed: eager, lazy")
+    def pick_stores(self) -> StorePicks:
+        picks, self._picks, self._picked = self._picks, StorePicks(), set()
+        return picks

@@ -1,0 +1,194 @@
+"""The lazy store policy (exclusive-leaning tier): store only what the GPU is about to evict.
+
+Only free, hashed GPU blocks within `lookahead` blocks of the GPU pool's eviction frontier that are not on
+the CPU yet are stored, so the GPU evicts only saved blocks. Saved GPU blocks return to their place in the
+GPU free queue (LRU order is kept), and CPU copies of blocks that were just loaded to the GPU, or that an
+admitted request hit on the GPU, are forgotten and go to the head of the CPU free queue (the GPU holds them
+now; the tiers stay mostly exclusive) while the CPU tier is under pressure (it evicted within the last
+`PRESSURE_STEPS` steps); without pressure they are kept. A request whose allocation would evict unsaved
+blocks (a burst beyond the lookahead) is deferred one step, once, while this step's store saves them.
+
+What it holds on the GPU, and the bound: when the engine's free queue is shorter than the lookahead, a
+finishing request's unsaved blocks are held (one reference each) until the next step's store event takes
+them, at most as many as the CPU tier has free blocks; every hold is released at the next `pick_stores`.
+So the engine's GPU cache can keep, for one step, blocks vLLM alone would have evicted.
+Cost per step: O(lookahead); per admission O(blocks allocated). Follows store_policy's call order.
+"""
+
+from __future__ import annotations
+
+from offload_connector.hashing import with_group_id
+from scheduler_side.request_state import LoadJob, RequestState
+from scheduler_side.store_policy import PolicyView, StorePicks, StorePolicy
+
+PRESSURE_STEPS = 64  # steps after a CPU eviction during which the tier counts as under pressure
+MAX_DEFERRALS = 1  # steps a request may be deferred so that its allocation evicts only saved blocks
+LOOKAHEAD_FACTOR = 2.0  # lookahead / recent peak per-step allocation (loads included)
+
+
+class LazyStorePolicy(StorePolicy):
+    cpu_copy_worthless_after_load = True
+    gpu_copy_worthless_after_store = True
+
+    def __init__(self, view: PolicyView) -> None:
+        super().__init__(view)
+        self._step_alloc = 0  # blocks the engine handed to requests this step
+        self._peak_alloc = 0.0  # decaying peak of per-step allocations
+        self._scanned: list[tuple[int, bytes | None]] = []  # the frontier this step's selection scanned
+        self._frontier_of: dict[int, list[tuple[int, bytes | None]]] = {}  # store event -> its frontier
+        self._held: dict[bytes, int] = {}  # key -> GPU block held for the next store event
+        self._last_event_id: int | None = None  # our most recent store event
+        self._steps = 0  # pick_stores calls (engine steps)
+        self._evictions_seen = 0  # the CPU pool's eviction count at the last step
+        self._last_eviction_step = -PRESSURE_STEPS - 1  # the last step that saw a CPU eviction
+        self._deficit = 0  # blocks that admissions deferred this step need saved by its store event
+        self._p_inflight = 0.0  # how often a store event outlasted the next step's allocations (EMA)
+
+    @property
+    def lookahead(self) -> int:
+        """Blocks from the eviction frontier to keep saved: `lazy_lookahead_blocks` if set, else the larger
+        of the engine's per-step bound and a multiple of the recent peak allocation (CPU hits allocate
+        outside the token budget, so the bound alone can fall short)."""
+        fixed = self.view.lazy_lookahead_blocks
+        if fixed is not None:
+            return fixed
+        return max(16, self.view.max_blocks_per_step or 0, int(LOOKAHEAD_FACTOR * self._peak_alloc))
+
+    @property
+    def _cpu_under_pressure(self) -> bool:
+        """The CPU tier evicted within the last `PRESSURE_STEPS` steps: space spent on copies of blocks
+        the GPU holds costs hits. Without pressure such copies are kept (a free second chance)."""
+        return self._steps - self._last_eviction_step <= PRESSURE_STEPS
+
+    def on_allocated(self, state: RequestState, num_gpu_hit_blocks: int) -> list[bytes]:
+        """The request now holds its GPU-hit blocks: under CPU pressure their CPU copies give way. (Not at
+        lookup: a request that then fails to allocate leaves those blocks free, maybe at the frontier.)"""
+        if not num_gpu_hit_blocks or not self._cpu_under_pressure:
+            return []
+        hashes, group = state.request.block_hashes, self.view.group_id
+        return [with_group_id(hashes[i], group) for i in range(min(num_gpu_hit_blocks, len(hashes)))]
+
+    def on_load_complete(self, job: LoadJob) -> bool:
+        """The loaded blocks are resident on the GPU now: under CPU pressure their CPU copies give way."""
+        return self._cpu_under_pressure
+
+    def on_blocks_allocated(self, num_blocks: int) -> None:
+        self._step_alloc += num_blocks
+
+    def may_admit(self, state: RequestState, num_cpu_hit_blocks: int) -> bool:
+        """Defer a request (once) whose allocation would reach past the saved part of the GPU frontier.
+
+        The lookahead covers a typical step; one admission can take more (a long prompt, a large CPU hit,
+        which allocates outside the token budget). Its allocation happens right after this lookup, so the
+        free queue is exactly what it will draw from: if unsaved cached blocks lie within the blocks it
+        takes and the CPU tier has room for them, answer "next step" and add its need to this step's
+        stores (the policy's own `_deficit`). Cost O(blocks it allocates).
+        """
+        if state.num_deferrals >= MAX_DEFERRALS:
+            return True
+        view = self.view
+        rest = -(-state.request.num_tokens // view.block_size) - state.num_gpu_hit_blocks - num_cpu_hit_blocks
+        bound = view.max_blocks_per_step
+        need = num_cpu_hit_blocks + (rest if bound is None else min(rest, bound))
+        if need <= 0:
+            return True
+        is_saved, unsaved = view.is_saved, 0
+        for n, (_, key) in enumerate(view.gpu_eviction_candidates()):
+            if n >= need:
+                break
+            if key is not None and not is_saved(key):
+                unsaved += 1
+        # Worth a step only if the CPU tier can take them (a tiny tier would defer in vain).
+        if unsaved == 0 or unsaved > view.cpu_num_free_blocks():
+            return True
+        self._deficit += need
+        return False
+
+    def _tick(self) -> None:
+        """One engine step: CPU pressure, the decaying allocation peak, how long store events last."""
+        self._steps += 1
+        evictions = self.view.cpu_num_evictions()
+        if evictions != self._evictions_seen:
+            self._evictions_seen, self._last_eviction_step = evictions, self._steps
+        self._peak_alloc = max(float(self._step_alloc), 0.9 * self._peak_alloc)
+        self._step_alloc = 0
+        event = self._last_event_id
+        if event is not None:
+            outstanding = self.view.is_store_outstanding(event)
+            self._p_inflight = 0.8 * self._p_inflight + (0.2 if outstanding else 0.0)
+
+    def pick_stores(self) -> StorePicks:
+        """Held blocks first, then unsaved free blocks from the eviction frontier, up to the lookahead (plus
+        what deferred admissions need) and the CPU tier's free room."""
+        self._tick()
+        view = self.view
+        held, self._held = self._held, {}
+        picks = StorePicks(list(held.values()), list(held), list(held.values()))
+        picked = set(picks.keys)
+        scanned: list[tuple[int, bytes | None]] = []
+        # A picked block leaves the free queue while its store is in flight. If that outlasts the next
+        # step's allocations, those allocations reach past it, so a pick must not count against the
+        # lookahead; if the store lands first, the block is back (saved) and it should. Weigh each pick by
+        # how often the last event was still in flight at the next step's metadata (`_p_inflight`).
+        pick_cost = 1.0 - self._p_inflight
+        budget = float(self.lookahead + self._deficit)
+        self._deficit = 0
+        room = view.cpu_num_free_blocks() - len(picks.gpu_ids)
+        is_saved = view.is_saved
+        for gpu_id, key in view.gpu_eviction_candidates():
+            if budget <= 0:
+                break
+            scanned.append((gpu_id, key))
+            if room > 0 and key is not None and key not in picked and not is_saved(key):
+                picked.add(key)
+                picks.gpu_ids.append(gpu_id)
+                picks.keys.append(key)
+                room -= 1
+                budget -= pick_cost
+            else:
+                budget -= 1
+        self._scanned = scanned
+        return picks
+
+    def on_stores_emitted(self, event_id: int | None, stored_gpu_ids: list[int]) -> None:
+        """Remember the frontier up to the last scanned block the event stores (a full CPU pool may have
+        cut the list): its order is restored when the store completes."""
+        frontier, self._scanned = self._scanned, []
+        self._last_event_id = event_id
+        if event_id is None:
+            return
+        stored = set(stored_gpu_ids)
+        end = next((i for i in range(len(frontier) - 1, -1, -1) if frontier[i][0] in stored), -1)
+        if end >= 0:
+            self._frontier_of[event_id] = frontier[:end + 1]
+
+    def on_store_complete(self, event_id: int) -> list[tuple[int, bytes | None]]:
+        """Saved blocks went back to the head; restore the frontier's LRU order around them."""
+        return self._frontier_of.pop(event_id, None) or []
+
+    def on_request_finished(self, state: RequestState) -> list[int]:
+        """Blocks freed now are scanned only at the next step's metadata, after that step's allocations.
+        When the free queue is shorter than the lookahead, those allocations could evict them unsaved: hold
+        them until the next store event takes them, as many as the CPU tier has room for (holding what
+        cannot be stored would only shrink the GPU's free queue)."""
+        view = self.view
+        room = view.cpu_num_free_blocks() - len(self._held)
+        if view.gpu_num_free_blocks() >= self.lookahead or room <= 0:
+            return []
+        hashes, group = state.request.block_hashes, view.group_id
+        n = min(state.num_computed_tokens // view.block_size, len(hashes), len(state.gpu_block_ids))
+        ids = []
+        for i in range(n):
+            if len(ids) >= room:
+                break
+            key = with_group_id(hashes[i], group)
+            gpu_id = state.gpu_block_ids[i]
+            if gpu_id == 0 or key in self._held or view.is_saved(key):
+                continue
+            self._held[key] = gpu_id
+            ids.append(gpu_id)
+        return ids
+
+    @property
+    def num_held_blocks(self) -> int:
+        return len(self._held)
