@@ -103,3 +103,50 @@ def test_blocks_use_slots():
 def test_pool_needs_two_blocks():
     with pytest.raises(ValueError, match="at least 2"):
         BlockPool(1)
+
+
+def test_reserve_commit_abort_keep_the_key_in_the_pool():
+    """An in-flight store's key: reserved (not hit-able), then cached on commit or forgotten on abort."""
+    pool = BlockPool(6)
+    a, b = pool.allocate(2)
+    pool.reserve([a, b], [b"ka", b"kb"])
+    assert pool.lookup(b"ka") is None and pool.reserved == {b"ka": a, b"kb": b}
+    pool.check_integrity()
+    assert pool.commit(a) == b"ka" and pool.lookup(b"ka") is a
+    pool.abort(b)
+    assert pool.reserved == {} and b.block_hash is None and pool.lookup(b"kb") is None
+    pool.free([a, b])
+    pool.check_integrity()
+
+
+def test_reserve_refuses_without_changing_anything():
+    pool = BlockPool(6)
+    a, b = pool.allocate(2)
+    pool.cache(b, b"kb")
+    with pytest.raises(PoolError, match="held and empty"):
+        pool.reserve([a, b], [b"ka", b"kx"])  # b holds content already
+    with pytest.raises(PoolError, match="held and empty"):
+        pool.reserve([a], [b"kb"])  # the key is cached
+    assert pool.reserved == {} and a.block_hash is None
+    free_block = pool.blocks[5]
+    with pytest.raises(PoolError, match="held and empty"):
+        pool.reserve([free_block], [b"kf"])
+    with pytest.raises(PoolError, match="no reservation"):
+        pool.commit(a)
+
+
+def test_commit_of_a_key_cached_meanwhile_caches_nothing():
+    pool = BlockPool(6)
+    a, b = pool.allocate(2)
+    pool.reserve([a], [b"k"])
+    pool.cache(b, b"k")  # another block got the same content first
+    assert pool.commit(a) is None and pool.lookup(b"k") is b and a.block_hash is None
+
+
+def test_integrity_detects_a_broken_reservation():
+    pool = BlockPool(4)
+    (a,) = pool.allocate(1)
+    pool.reserve([a], [b"k"])
+    a.block_hash = b"other"
+    with pytest.raises(PoolError, match="reservation"):
+        pool.check_integrity()
