@@ -26,11 +26,12 @@ from offload_connector.config import OffloadConfig
 from offload_connector.hashing import with_group_id
 from offload_connector.metadata import TransferMetadata, WorkerReport
 from scheduler_side.block_pool import BlockPool
+from scheduler_side.errors import SchedulerError
 from scheduler_side.free_queue import Block
 from scheduler_side.interfaces import GpuPool, RequestLike, StepRequest
 from scheduler_side.lazy_policy import LazyStorePolicy
 from scheduler_side.policy_view import SchedulerView
-from scheduler_side.request_state import LoadJob, PendingHit, RequestState, StoreEvent
+from scheduler_side.request_state import LoadJob, PendingHit, Phase, RequestState, StoreEvent
 from scheduler_side.stats import SchedulerStats
 from scheduler_side.store_policy import EagerStorePolicy, PolicyView, StorePolicy
 
@@ -43,10 +44,6 @@ def make_store_policy(config: OffloadConfig, view: PolicyView) -> StorePolicy:
     if config.store_policy == "lazy":
         return LazyStorePolicy(view)
     raise ValueError(f"unknown store_policy {config.store_policy!r}; allowed: eager, lazy")
-
-
-class SchedulerError(RuntimeError):
-    """Misuse of the scheduler-side API (unknown request or event): a caller bug, state left unchanged."""
 
 
 @dataclass(slots=True)
@@ -99,21 +96,21 @@ class OffloadScheduler:
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = RequestState(request)
-        elif state.load is not None:
-            if state.finished:  # a new request reuses the id of a finished one whose load is still in flight
-                return None, False  # ask again once that load is done and its state is gone
+        elif state.phase is Phase.FINISHED:  # a new request reuses the id of a finished one still loading
+            return None, False  # ask again once that load is done and its state is gone
+        elif state.phase is Phase.LOADING:
             raise SchedulerError(f"lookup for request {request.request_id} while its load is in flight")
         elif state.request is not request:
             # Adopting it would store the new request's blocks under the old prompt's hashes: wrong KV later.
             raise SchedulerError(f"lookup for request id {request.request_id!r} with a different request object "
                                  "while the first is still live (not finished); request ids must be unique")
         self._drop_pending_hit(state)
-        state.finished = False
         self.stats.num_lookups += 1
 
         bs = self.block_size
-        state.num_gpu_hit_blocks, state.lookup_pending = num_computed_tokens // bs, True
+        state.num_gpu_hit_blocks = num_computed_tokens // bs
         if num_computed_tokens % bs:
+            state.move_to(Phase.LOOKED_UP)
             return 0, False  # a partial GPU hit: the CPU run could not start on a block boundary
         hashes = request.block_hashes
         first = num_computed_tokens // bs
@@ -125,6 +122,7 @@ class OffloadScheduler:
             block = cached.get(key)
             if block is None:
                 if key in reserved:
+                    state.move_to(Phase.NEW)
                     return None, False  # its store completes soon: ask again next step
                 if self._arc:
                     self._note_misses(hashes, i, last)
@@ -132,13 +130,15 @@ class OffloadScheduler:
             hits.append(block)
         if not self.policy.may_admit(state, len(hits)):
             state.num_deferrals += 1
-            state.lookup_pending = False
+            state.move_to(Phase.NEW)
             self.stats.num_deferred_lookups += 1
             return None, False  # its allocation would evict GPU blocks not saved yet: ask again next step
         if not hits:
+            state.move_to(Phase.LOOKED_UP)
             return 0, False
         self.cpu_pool.touch(hits)
         state.pending_hit = PendingHit(hits, num_computed_tokens)
+        state.move_to(Phase.PENDING_HIT)
         return len(hits) * bs, True
 
     def _note_misses(self, hashes: Sequence[bytes], first: int, last: int) -> None:
@@ -172,15 +172,16 @@ class OffloadScheduler:
         if state is not None and state.request is not request:
             raise SchedulerError(f"update_state_after_alloc for request id {request.request_id!r} with a different "
                                  "request object than the live one; request ids must be unique")
+        if state is not None and state.phase in (Phase.LOADING, Phase.FINISHED):
+            raise SchedulerError(f"update_state_after_alloc for request {request.request_id} while "
+                                 f"{state.phase.value}")
         hit = state.pending_hit if state is not None else None
         n = self._check_external_tokens(request, hit, gpu_block_ids, num_external_tokens)
         if state is None:
             state = self._requests[request.request_id] = RequestState(request)
-        state.finished = False
         state.gpu_block_ids = list(gpu_block_ids)
         state.num_computed_tokens = 0
-        if state.lookup_pending:  # first allocation since the lookup: the GPU hit is now the request's
-            state.lookup_pending = False
+        if state.phase in (Phase.LOOKED_UP, Phase.PENDING_HIT):  # admitted: the GPU hit is now the request's
             state.num_store_checked_blocks = state.num_gpu_hit_blocks + n
             self.stats.num_lookup_tokens += max(0, request.num_tokens - state.num_gpu_hit_blocks * self.block_size)
             if self._arc:
@@ -192,15 +193,16 @@ class OffloadScheduler:
                     cpu_pool.discard(block)  # a held copy (a load source) stays
             self.policy.on_blocks_allocated(len(state.gpu_block_ids) - state.num_gpu_hit_blocks)
         state.pending_hit = None
-        if hit is None:
-            return
-        self.cpu_pool.free(hit.cpu_blocks[n:])  # all of it when the engine took none of the hit
-        if n == 0:
+        if hit is not None:
+            self.cpu_pool.free(hit.cpu_blocks[n:])  # all of it when the engine took none of the hit
+        if hit is None or n == 0:
+            state.move_to(Phase.RUNNING)
             return
         start = hit.num_computed_tokens // self.block_size
         gpu_ids = list(gpu_block_ids[start:start + n])
         self.gpu_pool.touch(gpu_ids)  # the CPU references move from the pending hit to the job
         state.load = LoadJob(gpu_ids, hit.cpu_blocks[:n])
+        state.move_to(Phase.LOADING)
         self.stats.num_hit_tokens += num_external_tokens
         self._loads_to_send.append(state)
 
@@ -346,8 +348,10 @@ class OffloadScheduler:
                 if block.ref_cnt == 1:  # only the load's own reference, dropped right below
                     cpu_pool.uncache(block)
         cpu_pool.free(job.cpu_blocks, front=self.policy.cpu_copy_worthless_after_load)
-        if state.finished:
+        if state.phase is Phase.FINISHED:
             del self._requests[req_id]
+        else:
+            state.move_to(Phase.RUNNING)
 
     def _on_store_report(self, event_id: int, failed: bool, rank: int) -> None:
         event = self._store_events.get(event_id)
@@ -399,8 +403,8 @@ class OffloadScheduler:
         hold = self.policy.on_request_finished(state)
         if hold:  # released by the policy's next pick_stores, after the store event took its own
             self.gpu_pool.touch(hold)
-        if state.load is not None:
-            state.finished = True  # deleted when its load completes (a queued load is still sent)
+        if state.phase is Phase.LOADING:
+            state.move_to(Phase.FINISHED)  # deleted when its load completes (a queued load is still sent)
         else:
             del self._requests[request.request_id]
         return False, None
@@ -408,7 +412,8 @@ class OffloadScheduler:
     def request_preempted(self, request_id: str) -> None:
         """The engine freed the request's GPU blocks; it will be re-admitted through a lookup."""
         state = self._requests.get(request_id)
-        if state is not None:
+        if state is not None and state.phase is Phase.RUNNING:
+            state.move_to(Phase.NEW)
             state.gpu_block_ids = []
             state.num_store_checked_blocks = 0
 
@@ -440,6 +445,10 @@ class OffloadScheduler:
         self.cpu_pool.check_integrity()
         held = {b.block_id for e in self._store_events.values() for b in e.cpu_blocks}
         for s in self._requests.values():
+            if (s.pending_hit is not None) != (s.phase is Phase.PENDING_HIT) or (s.load is not None) != (
+                    s.phase in (Phase.LOADING, Phase.FINISHED)):
+                raise SchedulerError(f"request {s.request_id} is {s.phase.value} with pending hit "
+                                     f"{s.pending_hit is not None} and load {s.load is not None} (our bug)")
             if s.load is not None:
                 held.update(b.block_id for b in s.load.cpu_blocks)
             if s.pending_hit is not None:

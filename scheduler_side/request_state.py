@@ -1,18 +1,46 @@
 """Per-request state of the scheduler side: one object per request, kept in one dict by request id.
 
-Lifecycle: created at the first lookup (`get_num_new_matched_tokens`); a pending hit pins CPU blocks
-until `update_state_after_alloc` turns it into a load job (or drops it); `request_finished` marks the
-request finished, and the state is deleted once no load job of it is in flight. Store jobs belong to
+Lifecycle: one explicit `Phase`, changed only through `RequestState.move_to`, which refuses any move not
+in `TRANSITIONS` with a `SchedulerError` (before anything changes):
+
+    NEW --lookup--> LOOKED_UP | PENDING_HIT --allocation--> RUNNING | LOADING --load done--> RUNNING
+    (a lookup the policy defers returns to NEW; preemption returns RUNNING to NEW; a finished request is
+    deleted, except while LOADING: then FINISHED until its load completes)
+
+A pending hit pins CPU blocks (`pending_hit` is set exactly in PENDING_HIT); a load job holds GPU and CPU
+blocks (`load` is set exactly in LOADING and FINISHED). Store jobs belong to
 store events (`StoreEvent`, one per step), not to requests, so a request never waits for its stores to
 be deleted. Transfers complete once every tensor-parallel rank reported them, each rank once.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
+from scheduler_side.errors import SchedulerError
 from scheduler_side.free_queue import Block
 from scheduler_side.interfaces import RequestLike
+
+
+class Phase(enum.Enum):
+    NEW = "new"  # known, not admitted: created, deferred by the policy, or preempted
+    LOOKED_UP = "looked up"  # looked up without a CPU hit: the next allocation admits it
+    PENDING_HIT = "pending hit"  # looked up with CPU blocks pinned: the next allocation admits it
+    LOADING = "loading"  # its load job is in flight; the request waits for it
+    RUNNING = "running"  # allocated and computing
+    FINISHED = "finished"  # the engine is done with it; kept only until its load completes
+
+
+_LOOKUP = {Phase.NEW, Phase.LOOKED_UP, Phase.PENDING_HIT}
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.NEW: frozenset(_LOOKUP | {Phase.RUNNING}),  # a lookup; or an allocation with none before it
+    Phase.LOOKED_UP: frozenset(_LOOKUP | {Phase.RUNNING}),
+    Phase.PENDING_HIT: frozenset(_LOOKUP | {Phase.RUNNING, Phase.LOADING}),
+    Phase.LOADING: frozenset({Phase.RUNNING, Phase.FINISHED}),
+    Phase.RUNNING: frozenset(_LOOKUP | {Phase.RUNNING}),  # preempted (NEW) or looked up again
+    Phase.FINISHED: frozenset(),  # deleted when its load completes
+}
 
 
 @dataclass(slots=True)
@@ -62,12 +90,17 @@ class RequestState:
     num_store_checked_blocks: int = 0  # store cursor: blocks before it were stored, cached or skipped
     num_computed_tokens: int = 0  # tokens whose KV is on the GPU after the last scheduled step
     num_gpu_hit_blocks: int = 0  # the engine's GPU prefix hit (blocks) at the last lookup
-    lookup_pending: bool = False  # looked up, not allocated since (the next allocation admits it)
+    phase: Phase = Phase.NEW  # change only with `move_to`
     pending_hit: PendingHit | None = None  # at most one; never together with an unfinished `load`
     load: LoadJob | None = None  # at most one load job in flight
     num_deferrals: int = 0  # lookups the store policy deferred to the next step (lazy: at most one)
-    finished: bool = False  # the engine is done with the request; delete once `load` is None
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    def move_to(self, phase: Phase) -> None:
+        if phase not in TRANSITIONS[self.phase]:
+            raise SchedulerError(f"request {self.request_id}: {self.phase.value} -> {phase.value} is not a "
+                                 f"valid move (allowed: {sorted(p.value for p in TRANSITIONS[self.phase])})")
+        self.phase = phase

@@ -377,3 +377,40 @@ def test_eager_stores_only_what_the_forward_computes():
     sched.update_connector_output(report(completed_store_events=[meta.store_event]))
     finish(sched, gpu, b, ids)
     assert_idle(sched, gpu)
+
+
+def test_every_phase_move_is_checked():
+    """The lifecycle's transitions: every phase allows exactly its listed moves; FINISHED allows none."""
+    from scheduler_side.request_state import TRANSITIONS, Phase, RequestState
+
+    assert set(TRANSITIONS) == set(Phase) and TRANSITIONS[Phase.FINISHED] == frozenset()
+    state = RequestState(FakeRequest("R", list(range(8)), BS))
+    for phase in Phase:
+        for target in Phase:
+            state.phase = phase
+            if target in TRANSITIONS[phase]:
+                state.move_to(target)
+                assert state.phase is target
+            else:
+                with pytest.raises(SchedulerError, match="not a valid move"):
+                    state.move_to(target)
+                assert state.phase is phase
+
+
+def test_allocation_while_loading_raises_and_changes_nothing():
+    sched, gpu, b, ids, meta = b_loading_a_prefix()
+    with pytest.raises(SchedulerError, match="while loading"):
+        sched.update_state_after_alloc(b, ids, 0)
+    sched.check_integrity()
+    sched.update_connector_output(report(finished_load_reqs=["B"]))
+    finish(sched, gpu, b, ids)
+    assert_idle(sched, gpu)
+
+
+def test_integrity_sees_a_phase_that_contradicts_the_transfers():
+    sched, gpu, b, ids, meta = b_loading_a_prefix()
+    from scheduler_side.request_state import Phase
+
+    sched._requests["B"].phase = Phase.RUNNING  # but its load job is in flight
+    with pytest.raises(SchedulerError, match="B is running with pending hit False and load True"):
+        sched.check_integrity()
