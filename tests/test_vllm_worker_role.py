@@ -31,8 +31,9 @@ class WorkerSim(Sim):
         super().__init__(*args, **kwargs)
         self.worker_conn = OffloadConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
         if fail_load_events:
-            self.worker_conn.worker.shutdown()
-            self.worker_conn.worker = OffloadWorker(
+            role = self.worker_conn.connector_worker
+            role.worker.shutdown()
+            role.worker = OffloadWorker(
                 self.worker_conn.config, backend=FaultyBackend(CpuBackend(2), fail_loads=set(fail_load_events)))
         num_blocks = self.kv_cache_config.num_blocks
         self.kv = torch.zeros(num_blocks, 1, BS, 8)  # one layer, [B, H, N, 2*C], H=1, C=4: 512 bytes a block

@@ -1,0 +1,117 @@
+"""`SchedulerRole`: the bodies of `OffloadConnector`'s scheduler hooks, over one `OffloadScheduler`.
+
+Exists only in the scheduler process (`KVConnectorRole.SCHEDULER`); `OffloadConnector` creates it and
+forwards each scheduler hook here. It owns
+- `scheduler`, the `OffloadScheduler` (CPU pool, per-request transfer state, stats),
+- the `VllmGpuPool` view through which that scheduler borrows vLLM's GPU `BlockPool`; it is empty until
+  vLLM calls `bind_gpu_block_pool`, which vLLM does before the first `get_num_new_matched_tokens`,
+- the `StatsTracker` that turns the scheduler's running counters into per-interval deltas, and
+- whether vLLM asked for KV-cache events.
+Everything here runs on vLLM's scheduler thread, one hook at a time; nothing touches a KV tensor. The
+translation is from vLLM's types (`Request`, `KVCacheBlocks`, `SchedulerOutput`, `KVConnectorOutput`) to
+the scheduler side's (`StepRequest`, `WorkerReport`) and back (`OffloadConnectorMetadata`, vLLM events).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from offload_connector.config import OffloadConfig
+from offload_connector.metadata import decode_report
+from offload_connector.vllm_gpu_pool import VllmGpuPool
+from offload_connector.vllm_messages import OffloadConnectorMetadata, OffloadWorkerMetadata, to_vllm_events
+from offload_connector.vllm_setup import KVCacheShape
+from offload_connector.vllm_stats import OffloadConnectorStats, StatsTracker
+from scheduler_side import OffloadScheduler, StepRequest
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class SchedulerRole:
+    """The scheduler process's half of the connector: admission lookups, per-step metadata, completions."""
+
+    def __init__(self, vllm_config: VllmConfig, config: OffloadConfig, shape: KVCacheShape,
+                 num_cpu_blocks: int) -> None:
+        sched = vllm_config.scheduler_config
+        self.config = config
+        self.block_size = shape.block_size
+        self._gpu_pool = VllmGpuPool()
+        self.scheduler = OffloadScheduler(
+            config, shape.block_size, num_cpu_blocks, self._gpu_pool, shape.world_size,
+            group_id=0,
+            max_blocks_per_step=sched.max_num_batched_tokens // shape.block_size + sched.max_num_seqs,
+            num_gpu_blocks=shape.num_gpu_blocks,
+        )
+        self._stats_tracker = StatsTracker()
+        kv_events = getattr(vllm_config, "kv_events_config", None)
+        self.emit_kv_events = bool(kv_events is not None and kv_events.enable_kv_cache_events)
+        self.scheduler.emit_kv_events = self.emit_kv_events
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        self._gpu_pool.bind(gpu_block_pool)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        gpu_block_ids = [block.block_id for block in blocks.blocks[0]] if blocks.blocks else []
+        self.scheduler.update_state_after_alloc(request, gpu_block_ids, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadConnectorMetadata:
+        sched = self.scheduler
+        for req_id in scheduler_output.preempted_req_ids or ():
+            sched.request_preempted(req_id)
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        steps: list[StepRequest] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            steps.append(StepRequest(new.req_id, new.block_ids[0] if new.block_ids else [],
+                                     new.num_computed_tokens + num_scheduled.get(new.req_id, 0), True))
+        cached = scheduler_output.scheduled_cached_reqs
+        bs = self.block_size
+        resumed_ids = cached.resumed_req_ids
+        for req_id, new_ids, before in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                                           strict=True):
+            n = num_scheduled[req_id]
+            if before % bs + n < bs and not (new_ids and new_ids[0]) and req_id not in resumed_ids:
+                continue  # the common decode step: no new block, none completed; nothing to tell
+            steps.append(StepRequest(req_id, new_ids[0] if new_ids else [], before + n,
+                                     req_id in resumed_ids))
+        return OffloadConnectorMetadata(sched.build_connector_meta(steps))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        # One path for loads and stores: each rank's report, counted once per rank. vLLM's own
+        # finished_recving (the same loads, aggregated across ranks) only tells vLLM the request may run.
+        meta = connector_output.kv_connector_worker_meta
+        if isinstance(meta, OffloadWorkerMetadata) and meta.reports:
+            self.scheduler.update_connector_output([decode_report(r) for r in meta.reports])
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        # Keep the engine stepping until in-flight transfers report back, so an idle engine holds no blocks.
+        return self.scheduler.num_inflight_transfers > 0
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events = self.scheduler.take_events()
+        if not self.emit_kv_events or not events:
+            return ()
+        return to_vllm_events(events, self.block_size)
+
+    def get_kv_connector_stats(self) -> OffloadConnectorStats | None:
+        if not self.config.metrics:
+            return None
+        sched = self.scheduler
+        pool = sched.cpu_pool
+        return self._stats_tracker.take(sched.stats.values(), lambda: {
+            "cpu_pool_usage": round(pool.usage, 4), "cpu_blocks_cached": len(pool.cached),
+            "cpu_blocks_total": pool.num_blocks - 1})

@@ -1,0 +1,93 @@
+"""`WorkerRole`: the bodies of `OffloadConnector`'s worker hooks, over one `OffloadWorker`.
+
+Exists only in a worker process (`KVConnectorRole.WORKER`), one per tensor-parallel rank; `OffloadConnector`
+creates it and forwards each worker hook here. It owns
+- `worker`, the `OffloadWorker` (host pool, copy backend, in-flight jobs), and
+- this step's report: the `WorkerReport` that `get_finished` gathers and `build_connector_worker_meta`
+  hands to vLLM, and the GPU blocks whose load failed, handed out once by `get_block_ids_with_load_errors`.
+  Both are emptied when handed out, so a report reaches the scheduler exactly once.
+The worker's CPU block count must equal the scheduler's (both derive it from the same config and shape);
+registering KV tensors that imply another count fails start-up rather than corrupting block ids later.
+Nothing here reads the connector metadata's type: `OffloadConnector` unwraps it to a `TransferMetadata`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offload_connector.config import OffloadConfig
+from offload_connector.metadata import TransferMetadata, WorkerReport, encode
+from offload_connector.vllm_messages import OffloadWorkerMetadata, merge_reports
+from offload_connector.vllm_setup import KVCacheShape, UnsupportedSetupError
+from worker_side import OffloadWorker
+
+
+class WorkerRole:
+    """One rank's half of the connector: registers the KV tensors, issues loads and stores, reports back."""
+
+    def __init__(self, config: OffloadConfig, shape: KVCacheShape, num_cpu_blocks: int) -> None:
+        self.shape = shape
+        self.num_cpu_blocks = num_cpu_blocks  # what the scheduler role counts; the worker must agree
+        self.worker = OffloadWorker(config, world_size=shape.world_size, rank=_tp_rank())
+        self._report: WorkerReport | None = None  # since the last build_connector_worker_meta
+        self._failed_load_gpu_blocks: set[int] = set()  # since the last get_block_ids_with_load_errors
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches, num_gpu_blocks=self.shape.num_gpu_blocks,
+                                       layout=self.shape.layout)
+        self._check_sizing()
+
+    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.worker.register_cross_layer_kv_cache(kv_cache, num_gpu_blocks=self.shape.num_gpu_blocks)
+        self._check_sizing()
+
+    def _check_sizing(self) -> None:
+        if self.worker.num_cpu_blocks != self.num_cpu_blocks:
+            raise UnsupportedSetupError(
+                f"OffloadConnector: the worker's KV tensors have {self.worker.bytes_per_block} bytes per "
+                f"block ({self.worker.num_cpu_blocks} CPU blocks) but kv_cache_config implies "
+                f"{self.shape.bytes_per_block} ({self.num_cpu_blocks} CPU blocks); the scheduler and workers "
+                "must agree. Set num_cpu_blocks in the connector config to pin the count."
+            )
+
+    def begin_step(self) -> None:
+        self.worker.begin_step()  # before the forward is launched: loads fence on earlier compute only
+
+    def start_load_kv(self, meta: TransferMetadata | None) -> None:
+        if meta is not None and meta.load_event is not None:
+            self.worker.start_load(meta)
+
+    def wait_for_save(self, meta: TransferMetadata | None) -> None:
+        if meta is not None and meta.store_event is not None:
+            self.worker.start_store(meta)
+
+    def get_finished(self) -> set[str] | None:
+        """Requests whose loads finished (vLLM's `finished_recving`); keeps the rank's report for the step."""
+        report = self.worker.get_finished()  # waits for loads only where the backend says (CPU)
+        if self._report is None:
+            self._report = report
+        else:  # get_finished called twice before build_connector_worker_meta: keep both
+            self._report = merge_reports(self._report, report)
+        self._failed_load_gpu_blocks.update(report.failed_load_gpu_blocks)
+        return set(report.finished_load_reqs) or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_load_gpu_blocks = self._failed_load_gpu_blocks, set()
+        return failed
+
+    def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
+        report, self._report = self._report, None
+        if report is None or (report.is_empty and not report.bytes_stored and not report.bytes_loaded):
+            return None
+        return OffloadWorkerMetadata(reports=[encode(report)])
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_tensor_model_parallel_rank()
+    return 0  # stand-alone use (tests): a single rank
