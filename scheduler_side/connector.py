@@ -5,8 +5,8 @@ through `GpuPool`. Per engine step, in vLLM's order (SPEC §4):
 1. `get_num_new_matched_tokens`: CPU lookup after the GPU hit; pins the hit's CPU blocks (pending hit).
 2. `update_state_after_alloc`: turns the pending hit into a load job onto the new GPU blocks.
 3. `build_connector_meta`: one load event for all new load jobs, one store event for the chosen stores.
-4. `update_connector_output`: each rank's report completes loads and stores (stores register CPU blocks);
-   a transfer completes once every rank reported it once. Both adapters use this one path.
+4. `update_connector_output` (completions.py): each rank's report completes loads and stores (stores
+   register CPU blocks); a transfer completes once every rank reported it once. Both adapters use it.
 5. `request_finished`: never delays the engine's block free; our references keep in-flight blocks alive.
 
 Reference ownership (the invariant that makes abort/preempt/finish safe at any point):
@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 from offload_connector.config import OffloadConfig
 from offload_connector.hashing import with_group_id
-from offload_connector.metadata import TransferMetadata, WorkerReport
+from offload_connector.metadata import TransferMetadata
 from scheduler_side.block_pool import BlockPool
+from scheduler_side.completions import Completions, KVEvent
 from scheduler_side.errors import SchedulerError
 from scheduler_side.free_queue import Block
 from scheduler_side.interfaces import GpuPool, RequestLike, StepRequest
@@ -46,16 +47,8 @@ def make_store_policy(config: OffloadConfig, view: PolicyView) -> StorePolicy:
     raise ValueError(f"unknown store_policy {config.store_policy!r}; allowed: eager, lazy")
 
 
-@dataclass(slots=True)
-class KVEvent:
-    """A change of the CPU tier's contents, for routers (vLLM's BlockStored/BlockRemoved, medium CPU)."""
-
-    kind: str  # "stored" | "removed"
-    block_hash: bytes  # the cache key (block hash + group id)
-
-
 @dataclass
-class OffloadScheduler:
+class OffloadScheduler(Completions):
     config: OffloadConfig
     block_size: int
     num_cpu_blocks: int
@@ -291,104 +284,6 @@ class OffloadScheduler:
         return blocks
 
     # ------------------------------------------------------------------ 4. completions
-    def update_connector_output(self, reports: WorkerReport | Iterable[WorkerReport]) -> None:
-        """Apply worker reports (any number per rank; each names its rank). A load or store completes once
-        every rank has reported it once; a rank repeating itself is logged and ignored. A rank outside
-        `[0, world_size)` or an event id that was never issued (negative included) raises `SchedulerError`."""
-        if isinstance(reports, WorkerReport):
-            reports = [reports]
-        stats = self.stats
-        for report in reports:
-            rank = report.rank
-            if not 0 <= rank < self.world_size:
-                raise SchedulerError(f"worker report from rank {rank}; allowed: 0..{self.world_size - 1}")
-            stats.bytes_stored += report.bytes_stored
-            stats.bytes_loaded += report.bytes_loaded
-            stats.store_seconds += report.store_seconds
-            stats.load_seconds += report.load_seconds
-            if report.failed_load_gpu_blocks:
-                self._forget_failed_loads(report.failed_load_gpu_blocks)
-            for req_id in report.finished_load_reqs:
-                self._on_load_report(req_id, rank)
-            for event_id in report.completed_store_events:
-                self._on_store_report(event_id, False, rank)
-            for event_id in report.failed_store_events:
-                self._on_store_report(event_id, True, rank)
-
-    def _forget_failed_loads(self, failed_gpu_block_ids: Iterable[int]) -> None:
-        """A block whose load failed must not be offered again: the engine recomputes it, and a copy that
-        fails every time would otherwise be retried forever. Report failures before the loads finish."""
-        failed = set(failed_gpu_block_ids)
-        self.stats.num_failed_load_blocks += len(failed)
-        for state in self._requests.values():
-            job = state.load
-            if job is None:
-                continue
-            for gpu_id, cpu_block in zip(job.gpu_block_ids, job.cpu_blocks, strict=True):
-                if gpu_id in failed:
-                    self.cpu_pool.uncache(cpu_block)
-
-    def _on_load_report(self, req_id: str, rank: int) -> None:
-        state = self._requests.get(req_id)
-        job = state.load if state is not None else None
-        if state is None or job is None or job.event_id is None:
-            logger.warning("ignoring a load completion for request %s with no load in flight", req_id)
-            return
-        if rank in job.reported_ranks:
-            logger.warning("ignoring a repeated load completion for request %s from rank %d", req_id, rank)
-            return
-        job.reported_ranks.add(rank)
-        if len(job.reported_ranks) < self.world_size:
-            return
-        state.load = None
-        self.gpu_pool.free(job.gpu_block_ids)
-        cpu_pool = self.cpu_pool
-        if self.policy.on_load_complete(job):  # the GPU holds the content now: forget the CPU copies
-            for block in job.cpu_blocks:
-                if block.ref_cnt == 1:  # only the load's own reference, dropped right below
-                    cpu_pool.uncache(block)
-        cpu_pool.free(job.cpu_blocks, front=self.policy.cpu_copy_worthless_after_load)
-        if state.phase is Phase.FINISHED:
-            del self._requests[req_id]
-        else:
-            state.move_to(Phase.RUNNING)
-
-    def _on_store_report(self, event_id: int, failed: bool, rank: int) -> None:
-        event = self._store_events.get(event_id)
-        if event is None:
-            if not 0 <= event_id < self._next_store_event:
-                raise SchedulerError(f"completion for store event {event_id}, which was never issued "
-                                     f"(issued so far: 0..{self._next_store_event - 1})")
-            logger.warning("ignoring a late completion of store event %d (already complete)", event_id)
-            return
-        if rank in event.reported_ranks:
-            logger.warning("ignoring a repeated completion of store event %d from rank %d", event_id, rank)
-            return
-        event.failed |= failed
-        event.reported_ranks.add(rank)
-        if len(event.reported_ranks) < self.world_size:
-            return
-        del self._store_events[event_id]
-        cpu_pool, failed = self.cpu_pool, event.failed
-        kv_events = self._kv_events if self.emit_kv_events else None
-        for block in event.cpu_blocks:
-            if failed:
-                cpu_pool.abort(block)
-                continue
-            key = cpu_pool.commit(block)  # None: the key is cached already (nothing hit-able here)
-            if key is not None and kv_events is not None:
-                kv_events.append(KVEvent("stored", key))
-        if failed:
-            self.stats.num_failed_store_blocks += len(event.cpu_blocks)
-            cpu_pool.free(event.cpu_blocks, front=True)
-        else:
-            self.stats.num_stored_blocks += len(event.cpu_blocks)
-            cpu_pool.free(event.cpu_blocks)
-        self.gpu_pool.free(event.gpu_block_ids, front=self.policy.gpu_copy_worthless_after_store and not failed)
-        frontier = self.policy.on_store_complete(event_id)
-        if frontier:  # saved blocks went to the head: the policy restores the GPU's LRU order around them
-            self.gpu_pool.move_to_front(frontier)
-
     def _on_cpu_evict(self, key: bytes, evicted: bool) -> None:
         if self.emit_kv_events:
             self._kv_events.append(KVEvent("removed", key))
@@ -422,39 +317,9 @@ class OffloadScheduler:
         events, self._kv_events = self._kv_events, []
         return events
 
-    @property
-    def num_inflight_transfers(self) -> int:
-        """Transfers in flight or queued (the engine should keep stepping until this is zero)."""
-        return (len(self._store_events) + sum(1 for s in self._requests.values() if s.load is not None)
-                + self.policy.num_held_blocks)
-
     def is_saved(self, key: bytes) -> bool:
         """A copy of this block's content is on the CPU tier or being stored there."""
         return key in self.cpu_pool.cached or key in self.cpu_pool.reserved
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
-
-    def is_idle(self) -> bool:
-        return not self._store_events and not self._loads_to_send and not self.policy.num_held_blocks and all(
-            s.load is None and s.pending_hit is None for s in self._requests.values()
-        )
-
-    def check_integrity(self) -> None:
-        """Pool invariants plus: when idle, the connector holds no CPU references at all."""
-        self.cpu_pool.check_integrity()
-        held = {b.block_id for e in self._store_events.values() for b in e.cpu_blocks}
-        for s in self._requests.values():
-            if (s.pending_hit is not None) != (s.phase is Phase.PENDING_HIT) or (s.load is not None) != (
-                    s.phase in (Phase.LOADING, Phase.FINISHED)):
-                raise SchedulerError(f"request {s.request_id} is {s.phase.value} with pending hit "
-                                     f"{s.pending_hit is not None} and load {s.load is not None} (our bug)")
-            if s.load is not None:
-                held.update(b.block_id for b in s.load.cpu_blocks)
-            if s.pending_hit is not None:
-                held.update(b.block_id for b in s.pending_hit.cpu_blocks)
-        for block in self.cpu_pool.blocks[1:]:
-            if block.ref_cnt > 0 and block.block_id not in held:
-                raise SchedulerError(f"CPU {block} is referenced but no transfer or pending hit holds it")
-        if self.is_idle() and self.cpu_pool.num_held_blocks():
-            raise SchedulerError(f"idle, yet {self.cpu_pool.num_held_blocks()} CPU blocks are still referenced")

@@ -1,0 +1,172 @@
+"""Transfers coming back: each rank's report completes loads and stores; the in-flight accounting.
+
+A mixin of `OffloadScheduler` (connector.py), kept apart because it is one idea: what happens when the
+workers report, and the invariants about transfers in flight that `check_integrity` verifies.
+- A report names its rank. A load or store completes once each of the `world_size` ranks reported it
+  once; a rank repeating itself, or a late report, is logged and ignored; a rank outside
+  `[0, world_size)` or a store event never issued (a negative id included) raises `SchedulerError`.
+- A failed load's GPU blocks come in the same report as its request: they map through that request's
+  `LoadJob` to the CPU blocks whose content is then forgotten.
+- A completed store commits its CPU blocks' reservations (hit-able from now on) and frees them to the
+  MRU end; a failed one aborts them and frees them to the LRU end; the GPU sources are released either way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from offload_connector.metadata import WorkerReport
+from scheduler_side.block_pool import BlockPool
+from scheduler_side.errors import SchedulerError
+from scheduler_side.interfaces import GpuPool
+from scheduler_side.request_state import Phase, RequestState, StoreEvent
+from scheduler_side.stats import SchedulerStats
+from scheduler_side.store_policy import StorePolicy
+
+logger = logging.getLogger("scheduler_side.connector")
+
+
+@dataclass(slots=True)
+class KVEvent:
+    """A change of the CPU tier's contents, for routers (vLLM's BlockStored/BlockRemoved, medium CPU)."""
+
+    kind: str  # "stored" | "removed"
+    block_hash: bytes  # the cache key (block hash + group id)
+
+
+
+class Completions:
+    """The completion half of `OffloadScheduler` (which defines these attributes)."""
+
+    world_size: int
+    emit_kv_events: bool
+    cpu_pool: BlockPool
+    gpu_pool: GpuPool
+    policy: StorePolicy
+    stats: SchedulerStats
+    _requests: dict[str, RequestState]
+    _loads_to_send: list[RequestState]
+    _store_events: dict[int, StoreEvent]
+    _next_store_event: int
+    _kv_events: list[KVEvent]
+
+    def update_connector_output(self, reports: WorkerReport | Iterable[WorkerReport]) -> None:
+        """Apply worker reports (any number per rank; each names its rank). A load or store completes once
+        every rank has reported it once; a rank repeating itself is logged and ignored. A rank outside
+        `[0, world_size)` or an event id that was never issued (negative included) raises `SchedulerError`."""
+        if isinstance(reports, WorkerReport):
+            reports = [reports]
+        stats = self.stats
+        for report in reports:
+            rank = report.rank
+            if not 0 <= rank < self.world_size:
+                raise SchedulerError(f"worker report from rank {rank}; allowed: 0..{self.world_size - 1}")
+            stats.bytes_stored += report.bytes_stored
+            stats.bytes_loaded += report.bytes_loaded
+            stats.store_seconds += report.store_seconds
+            stats.load_seconds += report.load_seconds
+            failed = set(report.failed_load_gpu_blocks)  # blocks of this report's loads that failed
+            stats.num_failed_load_blocks += len(failed)
+            for req_id in report.finished_load_reqs:
+                self._on_load_report(req_id, rank, failed)
+            for event_id in report.completed_store_events:
+                self._on_store_report(event_id, False, rank)
+            for event_id in report.failed_store_events:
+                self._on_store_report(event_id, True, rank)
+
+    def _on_load_report(self, req_id: str, rank: int, failed_gpu_block_ids: set[int]) -> None:
+        state = self._requests.get(req_id)
+        job = state.load if state is not None else None
+        if state is None or job is None or job.event_id is None:
+            logger.warning("ignoring a load completion for request %s with no load in flight", req_id)
+            return
+        if rank in job.reported_ranks:
+            logger.warning("ignoring a repeated load completion for request %s from rank %d", req_id, rank)
+            return
+        if failed_gpu_block_ids:  # the engine recomputes these; never offer their CPU copies again (a copy
+            for gpu_id, cpu_block in zip(job.gpu_block_ids, job.cpu_blocks, strict=True):  # failing every
+                if gpu_id in failed_gpu_block_ids:  # time would otherwise be retried forever)
+                    self.cpu_pool.uncache(cpu_block)
+        job.reported_ranks.add(rank)
+        if len(job.reported_ranks) < self.world_size:
+            return
+        state.load = None
+        self.gpu_pool.free(job.gpu_block_ids)
+        cpu_pool = self.cpu_pool
+        if self.policy.on_load_complete(job):  # the GPU holds the content now: forget the CPU copies
+            for block in job.cpu_blocks:
+                if block.ref_cnt == 1:  # only the load's own reference, dropped right below
+                    cpu_pool.uncache(block)
+        cpu_pool.free(job.cpu_blocks, front=self.policy.cpu_copy_worthless_after_load)
+        if state.phase is Phase.FINISHED:
+            del self._requests[req_id]
+        else:
+            state.move_to(Phase.RUNNING)
+
+    def _on_store_report(self, event_id: int, failed: bool, rank: int) -> None:
+        event = self._store_events.get(event_id)
+        if event is None:
+            if not 0 <= event_id < self._next_store_event:
+                raise SchedulerError(f"completion for store event {event_id}, which was never issued "
+                                     f"(issued so far: 0..{self._next_store_event - 1})")
+            logger.warning("ignoring a late completion of store event %d (already complete)", event_id)
+            return
+        if rank in event.reported_ranks:
+            logger.warning("ignoring a repeated completion of store event %d from rank %d", event_id, rank)
+            return
+        event.failed |= failed
+        event.reported_ranks.add(rank)
+        if len(event.reported_ranks) < self.world_size:
+            return
+        del self._store_events[event_id]
+        cpu_pool, failed = self.cpu_pool, event.failed
+        kv_events = self._kv_events if self.emit_kv_events else None
+        for block in event.cpu_blocks:
+            if failed:
+                cpu_pool.abort(block)
+                continue
+            key = cpu_pool.commit(block)  # None: the key is cached already (nothing hit-able here)
+            if key is not None and kv_events is not None:
+                kv_events.append(KVEvent("stored", key))
+        if failed:
+            self.stats.num_failed_store_blocks += len(event.cpu_blocks)
+            cpu_pool.free(event.cpu_blocks, front=True)
+        else:
+            self.stats.num_stored_blocks += len(event.cpu_blocks)
+            cpu_pool.free(event.cpu_blocks)
+        self.gpu_pool.free(event.gpu_block_ids, front=self.policy.gpu_copy_worthless_after_store and not failed)
+        frontier = self.policy.on_store_complete(event_id)
+        if frontier:  # saved blocks went to the head: the policy restores the GPU's LRU order around them
+            self.gpu_pool.move_to_front(frontier)
+
+    @property
+    def num_inflight_transfers(self) -> int:
+        """Transfers in flight or queued (the engine should keep stepping until this is zero)."""
+        return (len(self._store_events) + sum(1 for s in self._requests.values() if s.load is not None)
+                + self.policy.num_held_blocks)
+
+    def is_idle(self) -> bool:
+        return not self._store_events and not self._loads_to_send and not self.policy.num_held_blocks and all(
+            s.load is None and s.pending_hit is None for s in self._requests.values()
+        )
+
+    def check_integrity(self) -> None:
+        """Pool invariants plus: when idle, the connector holds no CPU references at all."""
+        self.cpu_pool.check_integrity()
+        held = {b.block_id for e in self._store_events.values() for b in e.cpu_blocks}
+        for s in self._requests.values():
+            if (s.pending_hit is not None) != (s.phase is Phase.PENDING_HIT) or (s.load is not None) != (
+                    s.phase in (Phase.LOADING, Phase.FINISHED)):
+                raise SchedulerError(f"request {s.request_id} is {s.phase.value} with pending hit "
+                                     f"{s.pending_hit is not None} and load {s.load is not None} (our bug)")
+            if s.load is not None:
+                held.update(b.block_id for b in s.load.cpu_blocks)
+            if s.pending_hit is not None:
+                held.update(b.block_id for b in s.pending_hit.cpu_blocks)
+        for block in self.cpu_pool.blocks[1:]:
+            if block.ref_cnt > 0 and block.block_id not in held:
+                raise SchedulerError(f"CPU {block} is referenced but no transfer or pending hit holds it")
+        if self.is_idle() and self.cpu_pool.num_held_blocks():
+            raise SchedulerError(f"idle, yet {self.cpu_pool.num_held_blocks()} CPU blocks are still referenced")
