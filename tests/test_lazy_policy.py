@@ -158,3 +158,33 @@ def test_eager_never_defers():
     gpu.free([gpu.blocks[i] for i in reversed(ids)])  # cached and never stored: eager stores on compute
     gpu.touch([gpu.blocks[i] for i in (3, 4, 5, 6, 7)])
     assert sched.get_num_new_matched_tokens(FakeRequest("B", list(range(100, 111)), BS), 0) == (0, False)
+
+
+def test_a_preempted_request_finished_before_readmission_holds_nothing():
+    """Lazy, GPU free queue shorter than the lookahead: A is preempted (the engine frees its blocks and gives
+    them to B), then aborted before it is re-admitted. The policy must not hold or store A's former
+    blocks under A's keys: they hold B's KV now (a later hit on A's prompt would read it)."""
+    sched, gpu = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=20, block_size=BS,
+                                store_policy="lazy", lazy_lookahead_blocks=16)
+    a = FakeRequest("A", list(range(12)), BS)
+    # 1. A runs: its 3 full blocks are computed and cached on the GPU.
+    _, _, a_ids = admit(sched, gpu, a)
+    sched.build_connector_meta([step_done("A", a_ids, 12)])
+    for gpu_id, h in zip(a_ids, a.block_hashes, strict=False):
+        gpu.cache(gpu.blocks[gpu_id], with_group_id(h))
+    # 2. preempted: the connector hears of it; the engine frees A's blocks ...
+    sched.request_preempted("A")
+    gpu.free([gpu.blocks[i] for i in reversed(a_ids)])
+    for gpu_id in a_ids:
+        gpu.uncache(gpu.blocks[gpu_id])
+    # ... and hands them to B (other content, no connector involvement)
+    b_blocks = gpu.allocate(gpu.num_free_blocks)
+    assert {b.block_id for b in b_blocks} >= set(a_ids)
+    # 3. A is aborted before it is looked up again.
+    assert sched.request_finished(a) == (False, None)
+    assert sched.policy.num_held_blocks == 0
+    assert all(gpu.blocks[i].ref_cnt == 1 for i in a_ids)  # only B's references
+    meta = sched.build_connector_meta([])
+    assert not set(meta.store_gpu_blocks) & set(a_ids)
+    gpu.free(b_blocks)
+    assert sched.is_idle()

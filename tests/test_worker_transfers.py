@@ -183,6 +183,7 @@ def test_empty_events_finish_immediately():
     w.start_store(store(6, [], []))
     report = w.get_finished()
     assert report.finished_load_reqs == ["zero"] and report.completed_store_events == [6]
+    assert w.get_finished().is_empty  # reported once: never again on a later call
     w.shutdown()
 
 
