@@ -141,6 +141,15 @@ class Completions:
         if frontier:  # saved blocks went to the head: the policy restores the GPU's LRU order around them
             self.gpu_pool.move_to_front(frontier)
 
+    def phase_of(self, request_id: str) -> Phase | None:
+        """The request's lifecycle phase, or None when the connector holds no state for it."""
+        state = self._requests.get(request_id)
+        return None if state is None else state.phase
+
+    def gpu_blocks_being_stored(self) -> set[int]:
+        """GPU blocks an outstanding store event copies from (O(blocks in flight): tests, tools)."""
+        return {i for event in self._store_events.values() for i in event.gpu_block_ids}
+
     @property
     def num_inflight_transfers(self) -> int:
         """Transfers in flight or queued (the engine should keep stepping until this is zero)."""

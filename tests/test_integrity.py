@@ -14,7 +14,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offload_connector.fake_engine import FakeEngine
-from offload_connector.fake_engine.workload import Workload, random_workload, run_workload, small_config
+from offload_connector.fake_engine.workload import (
+    ABORT_STATES,
+    Workload,
+    random_workload,
+    run_aborting_in_states,
+    run_workload,
+    small_config,
+)
 from worker_side import CpuBackend
 from worker_side.faults import FaultyBackend
 
@@ -78,6 +85,26 @@ def test_random_runs_exercise_every_path() -> None:
         assert e.connector is not None
         totals["evictions"] += e.connector.stats.num_cpu_evictions + e.gpu.pool.num_evictions
     assert all(v > 0 for v in totals.values()), totals
+
+
+def test_aborts_in_every_transfer_state() -> None:
+    """Requests aborted while holding a pending CPU hit, while loading, while their blocks are being
+    stored, and while preempted (not re-admitted): each state is hit across the seeds, every run clean."""
+    totals = dict.fromkeys(ABORT_STATES, 0)
+    for seed in range(8):
+        wl = random_workload(seed, num_requests=30)
+        cfg = small_config(num_gpu_blocks=16 + seed % 3 * 4, num_cpu_blocks=24,
+                           store_policy="lazy" if seed % 2 else "eager")
+        with FakeEngine(cfg, backend=faulty_backend(seed, 0.0, 0.004), wait_for_loads=False) as engine:
+            aborted, hits = run_aborting_in_states(engine, wl, seed)
+        s = engine.stats
+        assert s.integrity_errors == 0 and s.leaked_blocks == 0, (seed, s.integrity_errors, s.leaked_blocks)
+        assert len(engine.outputs) + len(aborted) + s.rejected_requests == len(wl.requests)
+        ref = reference_outputs(wl, ("aborts by state", seed))  # this workload's own cache entry
+        assert all(tokens == ref[rid] for rid, tokens in engine.outputs.items()), seed
+        for state, n in hits.items():
+            totals[state] += n
+    assert all(n > 0 for n in totals.values()), totals
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
