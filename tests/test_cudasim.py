@@ -327,3 +327,24 @@ def test_a_ring_released_at_launch_corrupts_a_store(monkeypatch: pytest.MonkeyPa
     views = w._views
     assert not all(torch.equal(w.host_pool[b], torch.cat([v.block_tensor(b) for v in views])) for b in (1, 2))
     w.shutdown()
+
+
+def test_aborts_in_every_transfer_state_on_the_simulated_gpu() -> None:
+    """Aborts while a request holds a pending hit, loads, has a store in flight or is preempted, with the
+    copies and the forward queued on simulated streams (copies first, so transfers are still running)."""
+    from offload_connector.fake_engine.workload import ABORT_STATES, run_aborting_in_states
+    from worker_side.cuda_sim import SimCompute
+
+    totals = dict.fromkeys(ABORT_STATES, 0)
+    for seed in range(8):
+        rt = SimCudaRuntime(schedule=("copy_lag", "random")[seed % 2], seed=seed)
+        cfg = small_config(num_gpu_blocks=16 + seed % 3 * 4, num_cpu_blocks=24,
+                           store_policy="lazy" if seed % 2 else "eager")
+        wl = random_workload(seed, num_requests=30)
+        with FakeEngine(cfg, backend=CudaBackend(runtime=rt), compute=SimCompute(rt), wait_for_loads=False) as e:
+            aborted, hits = run_aborting_in_states(e, wl, seed)
+        assert e.stats.integrity_errors == 0 and e.stats.leaked_blocks == 0 and rt.faults == []
+        assert rt.registrations == {}
+        for state, n in hits.items():
+            totals[state] += n
+    assert all(n > 0 for n in totals.values()), totals
