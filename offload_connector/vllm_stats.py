@@ -77,10 +77,10 @@ class OffloadConnectorStats(KVConnectorStats):
         lookup_tokens = c.get("num_lookup_tokens", 0)
         if lookup_tokens:
             out["cpu_hit_rate"] = round(c.get("num_hit_tokens", 0) / lookup_tokens, 4)
-        for direction in ("store", "load"):
+        for direction, moved in (("store", "bytes_stored"), ("load", "bytes_loaded")):
             seconds = c.get(f"{direction}_seconds", 0)
             if seconds > 0:
-                out[f"{direction}_GBps"] = round(c.get(f"bytes_{direction}d", 0) / seconds / 1e9, 3)
+                out[f"{direction}_GBps"] = round(c.get(moved, 0) / seconds / 1e9, 3)
         out.update(self.gauges)
         return out
 

@@ -162,11 +162,13 @@ def test_stats_aggregate_and_reduce() -> None:
     a = OffloadConnector.build_kv_connector_stats(
         {"counters": {"num_stored_blocks": 2, "bytes_stored": 4e9, "store_seconds": 1.0}, "gauges": {"cpu_pool_usage": 0.5}})
     b = OffloadConnector.build_kv_connector_stats(
-        {"counters": {"num_stored_blocks": 3, "num_lookup_tokens": 10, "num_hit_tokens": 4},
+        {"counters": {"num_stored_blocks": 3, "num_lookup_tokens": 10, "num_hit_tokens": 4,
+                      "bytes_loaded": 3e9, "load_seconds": 2.0},
          "gauges": {"cpu_pool_usage": 0.25}})
     summary = a.aggregate(b).reduce()
     assert summary["num_stored_blocks"] == 5
     assert summary["store_GBps"] == 4.0
+    assert summary["load_GBps"] == 1.5  # was always 0.0: the key was spelled bytes_loadd
     assert summary["cpu_hit_rate"] == 0.4
     assert summary["cpu_pool_usage"] == 0.25  # gauges: the newest snapshot wins
     assert OffloadConnector.build_kv_connector_stats().is_empty()
