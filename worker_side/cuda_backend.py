@@ -10,8 +10,9 @@ Per engine step (vLLM 0.32 order; docs/worker.md has the diagram):
 3. `submit(load)`: the load stream waits for `step_fence` only, so the load overlaps this step's forward
    (which never reads a block being loaded: those requests wait).
 4. `submit(store)`: a fence recorded *now* on the compute stream, after the forward that wrote the blocks
-   (vLLM #45704); the store stream waits for it. Stores have their own low-priority stream, so a load the
-   engine needs never queues behind a large store.
+   (vLLM #45704); the store stream waits for it. Stores have their own stream, so a load the engine
+   needs never queues behind a large store (it asks for the lowest priority: in practice CUDA's
+   default, which the compute stream has too).
 5. `poll()` queries completion events and never blocks; the engine thread never waits for a load
    (`sync_loads = False`): a request resumes in the step after its load completed.
 
