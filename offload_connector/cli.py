@@ -31,15 +31,25 @@ def _positive(text: str) -> int:
     return value
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("offload-connector")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offload-connector", description="CPU-offload KV connector tools")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     rp = sub.add_parser(
         "replay", help="replay a Mooncake trace through the fake engine with the connector",
         description="Replay a Mooncake-format trace through the fake engine with the connector. With no "
                     "arguments: the embedded default config on the bundled Mooncake trace, scaled (one trace "
                     f"block = one engine block), {BUNDLED_GPU_BLOCKS} GPU and {BUNDLED_CPU_BLOCKS} CPU "
-                    "blocks (5%% and 10%% of its distinct blocks).")
+                    "blocks (5% and 10% of its distinct blocks).")  # a description is not %-formatted
     rp.add_argument("--config", metavar="FILE", help="YAML config (default: the embedded default.yaml)")
     rp.add_argument("--trace", metavar="FILE",
                     help="Mooncake-format JSONL trace (default: the bundled Mooncake synthetic trace)")

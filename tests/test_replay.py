@@ -120,3 +120,19 @@ def test_eager_with_room_to_spare_loses_no_evicted_block() -> None:
     out = run_replay(config, read_trace(bundled_trace_path(), limit=300), scaled=True).to_dict()
     assert out["gpu_evictions"] > 0 and out["gpu_evictions_unsaved"] == 0
     assert out["integrity_errors"] == 0 and out["leaked_blocks"] == 0
+
+
+def test_help_shows_plain_percent_signs_and_version_is_there(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    from offload_connector.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["replay", "--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "5% and 10%" in " ".join(text.split()) and "%%" not in text
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"offload-connector {version('offload-connector')}"
