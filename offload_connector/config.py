@@ -158,8 +158,10 @@ def _translate(err: msgspec.ValidationError, data: Mapping[str, Any]) -> ConfigE
     if unknown:
         owner = _struct_in(_resolve_field(path)[1]) if path else OffloadConfig
         key = ".".join(path + [unknown.group(1)])
-        return ConfigError(key, _lookup(data, path + [unknown.group(1)]),
-                           f"known keys here: {', '.join(owner.__struct_fields__)}", "unknown key")
+        known = list(owner.__struct_fields__) + ([f"{a} (alias of {k})" for a, k in ALIASES.items()]
+                                                 if owner is OffloadConfig else [])
+        return ConfigError(key, _lookup(data, path + [unknown.group(1)]), f"known keys here: {', '.join(known)}",
+                           "unknown key")
     _, annotation = _resolve_field(path)
     key = ".".join(path) or "<root>"
     return ConfigError(key, _lookup(data, path), _describe(annotation), _AT_RE.sub("", text))
@@ -204,6 +206,20 @@ def config_source_dict(path_or_dict: str | Path | Mapping[str, Any] | None = Non
     raise ConfigError("config", path_or_dict, "a YAML file path, a mapping of config keys, or None")
 
 
+ALIASES = {"cpu_bytes_to_use": "cpu_bytes"}  # vLLM's own CPU-offload key, for users moving over
+
+
+def _apply_aliases(data: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(data)
+    for alias, key in ALIASES.items():
+        if alias in out:
+            if key in out:
+                raise ConfigError(alias, out[alias], f"'{key}' or its alias '{alias}' (vLLM's name), not both",
+                                  f"'{key}' is set too ({out[key]!r})")
+            out[key] = out.pop(alias)
+    return out
+
+
 def load_config(path_or_dict: str | Path | Mapping[str, Any] | None = None) -> OffloadConfig:
     """Load and validate a config from a YAML path, a mapping, or None (embedded default).
 
@@ -212,6 +228,7 @@ def load_config(path_or_dict: str | Path | Mapping[str, Any] | None = None) -> O
     data: Any = config_source_dict(path_or_dict)
     if not isinstance(data, Mapping):
         raise ConfigError("<root>", data, "a mapping of config keys")
+    data = _apply_aliases(data)
     try:
         cfg = msgspec.convert(data, OffloadConfig, strict=True)
     except msgspec.ValidationError as err:

@@ -86,3 +86,12 @@ def test_cpu_blocks_split_across_ranks():
     assert num_cpu_blocks(load_config({"num_cpu_blocks": 7}), 1024, 4) == 7
     with pytest.raises(ConfigError, match="cpu_bytes"):
         num_cpu_blocks(load_config({"cpu_bytes": 1000}), 1024)
+
+
+def test_vllms_cpu_bytes_to_use_is_an_alias_of_cpu_bytes():
+    """Users moving from vLLM's built-in CPU offload write its key; issue 12 item 10."""
+    assert load_config({"cpu_bytes_to_use": "1GiB"}).cpu_bytes == 2**30
+    with pytest.raises(ConfigError, match="not both"):
+        load_config({"cpu_bytes_to_use": "1GiB", "cpu_bytes": "2GiB"})
+    with pytest.raises(ConfigError, match=r"cpu_bytes_to_use \(alias of cpu_bytes\)"):
+        load_config({"cpu_byte": "1GiB"})
