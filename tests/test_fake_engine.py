@@ -116,3 +116,11 @@ def test_a_request_hits_blocks_an_earlier_one_computes_in_the_same_step() -> Non
             engine.step()
         engine.check()
         assert engine.stats.integrity_errors == 0 and engine.stats.verified_tokens > 0
+
+
+def test_the_fake_engine_keeps_no_kv_events_it_is_never_asked_for():
+    """Issue 12 item 9: 77,541 events were pending after 24,000 requests, most of the replay's growth."""
+    with FakeEngine(small_config(num_gpu_blocks=16, num_cpu_blocks=24)) as engine:
+        run_workload(engine, random_workload(0, num_requests=40))
+        assert engine.stats.cpu_hit_tokens > 0 and engine.connector.stats.num_stored_blocks > 0
+        assert engine.connector.take_events() == []

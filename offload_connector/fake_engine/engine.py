@@ -78,7 +78,8 @@ class FakeEngine:
             self.worker = self.workers[0]
             self.connector = OffloadScheduler(
                 config, eng.block_size, self.worker.num_cpu_blocks, self.gpu.view, tp_size,
-                max_blocks_per_step=None, num_gpu_blocks=eng.num_gpu_blocks)
+                max_blocks_per_step=None, num_gpu_blocks=eng.num_gpu_blocks,
+                emit_kv_events=False)  # nobody here takes them: kept, they grew with every request
         self._load_reports: dict[str, int] = {}  # request id -> ranks that finished its load so far
         self.gpu.pool.on_evict = self._on_gpu_evict
         self.scheduler = EngineScheduler(eng, self.gpu, self.connector, self.stats, self.model.release)
