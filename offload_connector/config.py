@@ -39,7 +39,7 @@ class ConfigError(ValueError):
 
 class TransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     backend: Literal["auto", "cuda", "cpu"] = "auto"
-    num_streams: PositiveInt = 2
+    num_streams: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2  # threads or streams: a bound, not a wish
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -70,7 +70,8 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE | re.ASCII)
+MAX_SIZE = 1 << 60  # 1 EiB: anything larger is a typo, not a machine
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
@@ -88,9 +89,14 @@ def parse_size(key: str, value: int | str) -> int:
         m = _SIZE_RE.match(value)
         if m is None:
             raise ConfigError(key, value, SIZE_ALLOWED, "malformed size string")
-        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+        number = float(m.group(1))
+        if number * _UNITS[(m.group(2) or "B").lower()] > MAX_SIZE:  # float: inf for absurd digit strings
+            raise ConfigError(key, value, SIZE_ALLOWED + " up to 1 EiB", "size too large")
+        size = int(number * _UNITS[(m.group(2) or "B").lower()])
     if size <= 0:
         raise ConfigError(key, value, SIZE_ALLOWED, "size must be positive")
+    if size > MAX_SIZE:
+        raise ConfigError(key, value, SIZE_ALLOWED + " up to 1 EiB", "size too large")
     return size
 
 
@@ -128,6 +134,7 @@ def _describe(annotation: Any) -> str:
     if origin is Annotated:
         base, *metas = typing.get_args(annotation)
         bounds = [f">= {m.ge}" for m in metas if isinstance(m, msgspec.Meta) and m.ge is not None]
+        bounds += [f"<= {m.le}" for m in metas if isinstance(m, msgspec.Meta) and m.le is not None]
         return f"{_describe(base)} {' '.join(bounds)}".strip()
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         return " or ".join(_describe(a) for a in typing.get_args(annotation))
@@ -184,12 +191,38 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError("config_file", str(path), "a path to an existing YAML file")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
-        raise ConfigError("config_file", str(path), "a valid YAML mapping", str(exc)) from exc
-    if not isinstance(data, dict):
-        raise ConfigError("<root>", data, "a mapping of config keys")
+        raise ConfigError("config_file", str(p.resolve()), "a valid YAML mapping", str(exc)) from exc
+    if data is None:  # an empty file: the defaults
+        return {}
+    if not isinstance(data, dict):  # `[]`, `false` or `0` used to load as the defaults
+        raise ConfigError("<root>", data, "a mapping of config keys", f"in {p.resolve()}")
     return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (YAML keeps the last, silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(str(key), "given twice", "each key once per mapping",
+                                  f"line {key_node.start_mark.line + 1}")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _check_keys(data: Mapping[Any, Any], path: str = "") -> None:
+    """Every key a string: `transfer: {1: cpu}` is refused naming `transfer.1`."""
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else str(key)
+        if not isinstance(key, str):
+            raise ConfigError(where, key, "string keys (config key names)")
+        if isinstance(value, Mapping):
+            _check_keys(value, where)
 
 
 def config_source_dict(path_or_dict: str | Path | Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -228,6 +261,7 @@ def load_config(path_or_dict: str | Path | Mapping[str, Any] | None = None) -> O
     data: Any = config_source_dict(path_or_dict)
     if not isinstance(data, Mapping):
         raise ConfigError("<root>", data, "a mapping of config keys")
+    _check_keys(data)
     data = _apply_aliases(data)
     try:
         cfg = msgspec.convert(data, OffloadConfig, strict=True)

@@ -95,3 +95,39 @@ def test_vllms_cpu_bytes_to_use_is_an_alias_of_cpu_bytes():
         load_config({"cpu_bytes_to_use": "1GiB", "cpu_bytes": "2GiB"})
     with pytest.raises(ConfigError, match=r"cpu_bytes_to_use \(alias of cpu_bytes\)"):
         load_config({"cpu_byte": "1GiB"})
+
+
+@pytest.mark.parametrize(("bad", "key", "allowed"), [
+    ({"cpu_bytes": "１２３"}, "cpu_bytes", "positive int"),  # unicode digits
+    ({"cpu_bytes": "9" * 400 + "GiB"}, "cpu_bytes", "up to 1 EiB"),  # was an OverflowError
+    ({"cpu_bytes": 2**70}, "cpu_bytes", "up to 1 EiB"),
+    ({"transfer": {"num_streams": 100000}}, "transfer.num_streams", "<= 64"),  # started threads until a crash
+    ({"transfer": {1: "cpu"}}, "transfer.1", "string keys"),  # named <root>, "allowed: None"
+])
+def test_config_holes_are_refused_naming_the_key(bad, key, allowed):
+    """Issue 12 item 6."""
+    with pytest.raises(ConfigError, match=allowed) as info:
+        load_config(bad)
+    assert info.value.key == key
+
+
+@pytest.mark.parametrize("text", ["[]\n", "false\n", "0\n"])
+def test_a_yaml_file_that_is_not_a_mapping_is_refused(tmp_path, text):
+    path = tmp_path / "offload.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match="a mapping of config keys"):
+        load_config(path)
+
+
+def test_an_empty_yaml_file_means_the_defaults(tmp_path):
+    path = tmp_path / "offload.yaml"
+    path.write_text("")
+    assert load_config(path).store_policy == "eager"
+
+
+def test_a_key_given_twice_is_refused(tmp_path):
+    path = tmp_path / "offload.yaml"
+    path.write_text("store_policy: lazy\ncpu_bytes: 1GiB\nstore_policy: eager\n")
+    with pytest.raises(ConfigError, match="each key once") as info:
+        load_config(path)
+    assert info.value.key == "store_policy" and "line 3" in str(info.value)
