@@ -55,7 +55,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload_connector.metadata import TransferMetadata
 from offload_connector.vllm_messages import OffloadConnectorMetadata, OffloadWorkerMetadata
-from offload_connector.vllm_setup import KVCacheShape, describe_kv_cache, resolve_config
+from offload_connector.vllm_setup import KVCacheShape, adopt_vllm_logging, describe_kv_cache, resolve_config
 from offload_connector.vllm_stats import OffloadConnectorStats, OffloadPromMetrics
 
 if TYPE_CHECKING:
@@ -86,6 +86,7 @@ class OffloadConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        adopt_vllm_logging()  # our start-up line and warnings reach vLLM's log, formatted as vLLM's
         self.config = resolve_config(self._kv_transfer_config.kv_connector_extra_config)
         self.shape: KVCacheShape = describe_kv_cache(vllm_config, kv_cache_config)
         self.num_cpu_blocks = self.shape.num_cpu_blocks(self.config)
@@ -100,11 +101,13 @@ class OffloadConnector(KVConnectorBase_V1):
             from offload_connector.vllm_worker_role import WorkerRole
 
             self.connector_worker = WorkerRole(self.config, self.shape, self.num_cpu_blocks)
+        cfg = self.config
         logger.info(
-            "OffloadConnector %s: %d CPU blocks of %d bytes per rank (%d ranks), block_size=%d, "
-            "store_policy=%s",
-            role.name, self.num_cpu_blocks, self.shape.bytes_per_block, self.shape.world_size,
-            self.shape.block_size, self.config.store_policy,
+            "OffloadConnector %s: CPU tier %.2f GiB per rank x %d ranks = %d blocks of %d bytes per rank "
+            "(block_size=%d); store_policy=%s, eviction=%s, transfer.backend=%s",
+            role.name, self.num_cpu_blocks * self.shape.bytes_per_block / 2**30, self.shape.world_size,
+            self.num_cpu_blocks, self.shape.bytes_per_block, self.shape.block_size, cfg.store_policy,
+            cfg.eviction, cfg.transfer.backend,
         )
 
     @property

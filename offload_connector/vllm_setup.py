@@ -14,6 +14,7 @@ Imports no vLLM at module level; only reads attributes of the objects vLLM passe
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,22 @@ from offload_connector.config import (
     merge_configs,
 )
 from offload_connector.sizing import num_cpu_blocks
+
+OUR_PACKAGES = ("offload_connector", "scheduler_side", "worker_side")
+
+
+def adopt_vllm_logging() -> None:
+    """Log through vLLM's handler and level: vLLM configures only its `vllm` logger (no propagation), so
+    our modules' INFO lines (the start-up line) went nowhere and warnings came out unformatted."""
+    vllm_logger = logging.getLogger("vllm")
+    if not vllm_logger.handlers:
+        return  # vLLM's logging is off (VLLM_CONFIGURE_LOGGING=0): leave ours to the application
+    for name in OUR_PACKAGES:
+        ours = logging.getLogger(name)
+        if not ours.handlers:
+            ours.handlers = list(vllm_logger.handlers)
+            ours.setLevel(vllm_logger.level)
+            ours.propagate = False
 
 
 class UnsupportedSetupError(ValueError):

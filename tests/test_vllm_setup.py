@@ -172,3 +172,32 @@ def test_stats_aggregate_and_reduce() -> None:
     assert summary["cpu_hit_rate"] == 0.4
     assert summary["cpu_pool_usage"] == 0.25  # gauges: the newest snapshot wins
     assert OffloadConnector.build_kv_connector_stats().is_empty()
+
+
+@pytest.mark.vllm
+def test_our_packages_log_through_vllms_handler() -> None:
+    """Issue 12 item 3: vLLM configures only its `vllm` logger, so the connector's INFO start-up line
+    never showed. Under vLLM our packages take vLLM's handler and level."""
+    pytest.importorskip("vllm")
+    import logging
+
+    import vllm.logger  # noqa: F401  (configures vLLM's logging)
+
+    from offload_connector.vllm_setup import OUR_PACKAGES, adopt_vllm_logging
+
+    saved = {n: (logging.getLogger(n).handlers[:], logging.getLogger(n).level, logging.getLogger(n).propagate)
+             for n in OUR_PACKAGES}
+    try:
+        for name in OUR_PACKAGES:
+            logging.getLogger(name).handlers = []
+        adopt_vllm_logging()
+        vllm_logger = logging.getLogger("vllm")
+        for name in OUR_PACKAGES:
+            ours = logging.getLogger(f"{name}.some_module")
+            assert ours.isEnabledFor(logging.INFO) == vllm_logger.isEnabledFor(logging.INFO)
+            assert logging.getLogger(name).handlers == vllm_logger.handlers
+    finally:
+        for name, (handlers, level, propagate) in saved.items():
+            logger = logging.getLogger(name)
+            logger.handlers, logger.propagate = handlers, propagate
+            logger.setLevel(level)
