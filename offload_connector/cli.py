@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
-from offload_connector.config import ConfigError
-from offload_connector.trace import TraceError, bundled_trace_path, read_trace
+from offload_connector.trace import bundled_trace_path, read_trace
 
 # With no --trace: the bundled trace, scaled, on a GPU pool of 5% and a CPU tier of 10% of its 43,924
 # distinct blocks (the sizes of the references in the trace's README) unless --config or flags set sizes.
@@ -72,6 +72,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _pool_sizes(args: argparse.Namespace, bundled_scaled: bool) -> tuple[int | None, int | None, dict[str, str]]:
+    """GPU and CPU block counts to override the config with, and where each size comes from: a flag, the
+    config file, the bundled trace's default (5% / 10% of its distinct blocks), or the embedded default.
+    A config file keeps the bundled trace's sizes unless it sets a size itself."""
+    from offload_connector.config import config_source_dict
+
+    data = config_source_dict(args.config) if args.config else {}
+    engine = data.get("engine") or {}
+    file_sets = {"gpu_blocks": "num_gpu_blocks" in engine,
+                 "cpu_blocks": any(k in data for k in ("num_cpu_blocks", "cpu_bytes", "cpu_bytes_to_use"))
+                 or "num_cpu_blocks" in engine}
+    sizes: dict[str, int | None] = {"gpu_blocks": args.gpu_blocks, "cpu_blocks": args.cpu_blocks}
+    bundled_default = {"gpu_blocks": BUNDLED_GPU_BLOCKS, "cpu_blocks": BUNDLED_CPU_BLOCKS}
+    sources = {}
+    for key in sizes:
+        if sizes[key] is not None:
+            sources[key] = f"--{key.replace('_', '-')}"
+        elif file_sets[key]:
+            sources[key] = f"config file {args.config}"
+        elif bundled_scaled:
+            sizes[key], sources[key] = bundled_default[key], "the bundled trace's default (5% / 10% of its distinct blocks)"
+        else:
+            sources[key] = "the config's defaults (the file sets none)" if args.config else "the embedded default.yaml"
+    return sizes["gpu_blocks"], sizes["cpu_blocks"], sources
+
+
 def _replay(args: argparse.Namespace) -> int:
     from offload_connector.replay import ProgressBar, replay_config, run_replay
     from offload_connector.replay_report import PlotError, format_report, write_plot
@@ -82,17 +108,20 @@ def _replay(args: argparse.Namespace) -> int:
         except ImportError:
             print("error: --plot needs matplotlib: pip install 'offload-connector[plot]'", file=sys.stderr)
             return 2
+    if args.full_size and (args.scaled or args.trace is not None):
+        print("error: --full-size applies to the bundled trace unscaled; it cannot go with --scaled or --trace",
+              file=sys.stderr)
+        return 2
     bundled = args.trace is None
-    gpu_blocks, cpu_blocks = args.gpu_blocks, args.cpu_blocks
     scaled = args.scaled or (bundled and not args.full_size)
-    if bundled and scaled and args.config is None:
-        gpu_blocks = gpu_blocks or BUNDLED_GPU_BLOCKS
-        cpu_blocks = cpu_blocks or BUNDLED_CPU_BLOCKS
+    gpu_blocks, cpu_blocks, sizes_from = _pool_sizes(args, bundled and scaled)
     config = replay_config(args.config, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
                            store_policy=args.store_policy, eviction=args.eviction,
                            max_num_seqs=args.max_num_seqs)
     trace = args.trace or str(bundled_trace_path())
     requests = read_trace(trace, limit=args.limit)
+    if not requests:
+        print(f"warning: trace {trace} holds no request", file=sys.stderr)
     bar = None if args.quiet else ProgressBar()
     try:
         result = run_replay(config, requests, scaled=scaled, trace_name=trace, progress=bar)
@@ -105,6 +134,10 @@ def _replay(args: argparse.Namespace) -> int:
         except PlotError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    result.sizes_from = sizes_from
+    if requests and result.stats.rejected_requests == len(requests):
+        print("warning: every request was rejected (longer than the GPU pool can ever hold): raise "
+              "--gpu-blocks", file=sys.stderr)
     if args.json:
         print(json.dumps(result.to_dict(), sort_keys=True))
     else:
@@ -115,13 +148,17 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command. Every user error is one `error:` line on stderr and exit status 2."""
     args = build_parser().parse_args(argv)
     try:
         if args.command == "replay":
             return _replay(args)
-    except (ConfigError, TraceError) as exc:
+    except ValueError as exc:  # ConfigError, TraceError, HostPoolError, LayoutError, BackendError
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `| head` closed our stdout: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
     return 2
 
 

@@ -38,6 +38,7 @@ class ReplayResult:
     num_cpu_blocks: int
     error: str | None = None
     connector: dict[str, float] = field(default_factory=dict)  # the scheduler side's counters (SchedulerStats)
+    sizes_from: dict[str, str] = field(default_factory=dict)  # "gpu_blocks"/"cpu_blocks" -> where it was set
 
     def to_dict(self) -> dict[str, Any]:
         eng = self.config.engine
@@ -55,6 +56,7 @@ class ReplayResult:
             error=self.error,
         )
         out["connector"] = dict(self.connector)
+        out["sizes_from"] = dict(self.sizes_from)
         return out
 
 

@@ -39,6 +39,8 @@ def format_report(result: ReplayResult) -> str:
         f"offload-connector replay: {result.trace}{' (scaled)' if result.scaled else ''}",
         f"  engine      {d['gpu_blocks']} GPU blocks x {d['block_size']} tokens, {d['cpu_blocks']} CPU blocks, "
         f"store policy {d['store_policy']}, eviction {d['eviction']}, up to {d['max_num_seqs']} requests at once",
+        *([f"  sizes from  GPU: {d['sizes_from'].get('gpu_blocks', '?')}; CPU: {d['sizes_from'].get('cpu_blocks', '?')}"]
+          if d.get("sizes_from") else []),
         f"  requests    {s.requests} ({s.finished_requests} finished, {s.aborted_requests} aborted, "
         f"{s.rejected_requests} rejected as too long)",
         f"  prompt      {s.prompt_tokens:,} tokens",

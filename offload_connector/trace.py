@@ -61,8 +61,9 @@ def _check(path: str, lineno: int, req: TraceRequest) -> None:
     want = -(-req.input_length // TRACE_BLOCK_TOKENS)
     if len(req.hash_ids) != want:
         raise fail("hash_ids", f"{len(req.hash_ids)} ids", f"ceil(input_length / 512) = {want} ids")
-    if any(h < 0 for h in req.hash_ids):
-        raise fail("hash_ids", min(req.hash_ids), "non-negative ints")
+    if any(h < 0 or h >= 1 << 64 for h in req.hash_ids):
+        bad = next(h for h in req.hash_ids if h < 0 or h >= 1 << 64)
+        raise fail("hash_ids", bad, "ints in [0, 2**64)")
 
 
 def iter_trace(path: str | Path) -> Iterator[TraceRequest]:

@@ -136,3 +136,63 @@ def test_help_shows_plain_percent_signs_and_version_is_there(capsys: pytest.Capt
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"offload-connector {version('offload-connector')}"
+
+
+def replay_exit(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["replay", "--quiet", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_config_file_keeps_the_bundled_sizes_unless_it_sets_them(tmp_path, capsys) -> None:
+    """Issue 12 item 4: a YAML with only store_policy/eviction ran on 1,024 GPU / 4,194,304 CPU blocks."""
+    path = tmp_path / "offload.yaml"
+    path.write_text("store_policy: lazy\neviction: arc\n")
+    out = run_json(capsys, "--config", str(path), "--limit", "50")
+    assert (out["gpu_blocks"], out["cpu_blocks"]) == (2196, 4392) and out["store_policy"] == "lazy"
+    assert "bundled trace's default" in out["sizes_from"]["gpu_blocks"]
+    path.write_text("num_cpu_blocks: 999\n")
+    out = run_json(capsys, "--config", str(path), "--limit", "50", "--gpu-blocks", "3000")
+    assert (out["gpu_blocks"], out["cpu_blocks"]) == (3000, 999)
+    assert out["sizes_from"] == {"gpu_blocks": "--gpu-blocks", "cpu_blocks": f"config file {path}"}
+
+
+@pytest.mark.parametrize("args", [
+    ("--cpu-blocks", str(1 << 40)),  # HostPoolError: larger than the machine
+    ("--gpu-blocks", str(1 << 40)),  # the fake GPU KV cache would not fit
+    ("--full-size", "--scaled"),  # conflicting flags
+])
+def test_user_errors_are_one_line_and_exit_2(capsys, args) -> None:
+    """Issue 12 items 5 and 11: these were tracebacks with exit 1, or accepted silently."""
+    code, _, err = replay_exit(capsys, "--limit", "5", *args)
+    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_two_gpu_blocks_is_not_a_layout_error(capsys) -> None:
+    """The fake engine's (2, blocks, ...) tensors were ambiguous with 2 blocks; it now names its layout.
+    Every request is then too long for the pool: a warning, not silence."""
+    code, _, err = replay_exit(capsys, "--limit", "5", "--gpu-blocks", "2")
+    assert code == 0 and "every request was rejected" in err
+
+
+def test_hash_ids_beyond_64_bits_and_empty_traces(tmp_path, capsys) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [18446744073709551616]}\n')
+    code, _, err = replay_exit(capsys, "--trace", str(path))
+    assert code == 2 and "hash_ids" in err and "2**64" in err
+    path.write_text("")
+    code, _, err = replay_exit(capsys, "--trace", str(path))
+    assert code == 0 and "holds no request" in err
+
+
+def test_a_closed_pipe_is_quiet() -> None:
+    """`offload-connector replay | head -1`: a BrokenPipeError traceback used to follow."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "offload_connector.cli", "replay", "--quiet", "--limit", "30"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # before the replay prints anything: its writes hit a pipe with no reader
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and "Traceback" not in err, err

@@ -74,7 +74,8 @@ class FakeEngine:
             for rank, (model, rank_backend) in enumerate(zip(self.models, backends, strict=True)):
                 worker = OffloadWorker(config, world_size=tp_size, rank=rank, backend=rank_backend)
                 self.workers.append(worker)
-                worker.register_kv_caches(model.kv_caches, num_gpu_blocks=eng.num_gpu_blocks)
+                worker.register_kv_caches(model.kv_caches, num_gpu_blocks=eng.num_gpu_blocks,
+                                          layout="kv_first")  # (2, blocks, ...): say so, 2 blocks would be ambiguous
             self.worker = self.workers[0]
             self.connector = OffloadScheduler(
                 config, eng.block_size, self.worker.num_cpu_blocks, self.gpu.view, tp_size,

@@ -41,6 +41,21 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
+def _check_fits(engine: EngineConfig, num_gpu_blocks: int) -> None:
+    """Refuse a "GPU" KV cache larger than the host's available memory before allocating it."""
+    from offload_connector.config import ConfigError
+    from worker_side.host_pool import mem_available_bytes
+
+    need = (engine.num_layers * 2 * num_gpu_blocks * engine.block_size * engine.num_kv_heads * engine.head_dim
+            * torch.empty(0, dtype=_DTYPES[engine.dtype]).element_size())
+    available = mem_available_bytes()
+    if available is not None and need > available:
+        raise ConfigError("engine.num_gpu_blocks", num_gpu_blocks,
+                          f"at most {available * num_gpu_blocks // need} here",
+                          f"the fake GPU KV cache would take {need / 2**30:.1f} GiB, "
+                          f"{available / 2**30:.1f} GiB is available")
+
+
 class IntegrityError(RuntimeError):
     """A block a request reads does not hold the K/V its tokens must have: data was lost or misplaced."""
 
@@ -78,6 +93,7 @@ class FakeModel:
                  compute: ComputeQueue | None = None, rank: int = 0) -> None:
         self.rank = rank  # tensor-parallel rank: salts the K/V pattern (each rank holds a different shard)
         self.compute = compute if compute is not None else ImmediateCompute()
+        _check_fits(engine, num_gpu_blocks or engine.num_gpu_blocks)
         self.block_size = engine.block_size
         self.num_gpu_blocks = num_gpu_blocks or engine.num_gpu_blocks
         self.dtype = _DTYPES[engine.dtype]
