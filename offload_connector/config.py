@@ -189,7 +189,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     """The raw mapping in a YAML config file (unvalidated: callers merge overrides, then `load_config`)."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError("config_file", str(path), "a path to an existing YAML file")
+        raise ConfigError("config_file", str(path), "a path to an existing YAML file",
+                          f"looked for {p.resolve()} (relative paths start at the working directory)")
     try:
         data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:

@@ -131,3 +131,10 @@ def test_a_key_given_twice_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="each key once") as info:
         load_config(path)
     assert info.value.key == "store_policy" and "line 3" in str(info.value)
+
+
+def test_a_missing_config_file_says_where_it_was_looked_for(tmp_path, monkeypatch):
+    """Issue 12 item 7: a relative config_file did not say which directory it was resolved against."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"looked for {tmp_path / 'nope.yaml'}"):
+        load_config("nope.yaml")

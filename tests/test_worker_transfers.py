@@ -193,3 +193,9 @@ def test_auto_backend_is_cpu_without_cuda():
     w = OffloadWorker(load_config({"num_cpu_blocks": 4}))
     assert w.backend.name == "cpu"
     w.shutdown()
+
+
+def test_a_pool_too_big_for_the_machine_is_explained_in_gib():
+    """Issue 12 item 7: the message quoted raw byte counts."""
+    with pytest.raises(HostPoolError, match=r"= 1024.00 GiB does not fit in available memory \(1.00 GiB"):
+        check_pool_size(1 << 20, 1 << 20, available=1 << 30)

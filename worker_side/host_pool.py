@@ -56,9 +56,9 @@ def check_pool_size(num_cpu_blocks: int, bytes_per_block: int, available: int | 
     nbytes = num_cpu_blocks * bytes_per_block if buffer_bytes is None else buffer_bytes
     if available is not None and nbytes > available:
         raise HostPoolError(
-            f"host pool of {num_cpu_blocks} blocks x {bytes_per_block} bytes = {nbytes} bytes does not fit in "
-            f"available memory ({available} bytes, MemAvailable); allowed: cpu_bytes / num_cpu_blocks "
-            f"giving <= {available // bytes_per_block} blocks")
+            f"host pool of {num_cpu_blocks} blocks x {bytes_per_block / 2**20:.2f} MiB = {nbytes / 2**30:.2f} GiB "
+            f"does not fit in available memory ({available / 2**30:.2f} GiB, MemAvailable); allowed: cpu_bytes / "
+            f"num_cpu_blocks giving <= {available // bytes_per_block} blocks")
     return nbytes
 
 
