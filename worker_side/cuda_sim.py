@@ -3,12 +3,11 @@
 For tests and benchmarks only (`pytest -m cudasim`, `bench_datapath.py --backend cuda-sim`); production
 never constructs it. It follows cuda_api.py's semantics and turns what a real GPU would do silently wrong
 into something a test sees:
-- Streams are FIFO queues whose work runs only when the simulator decides: at each API call it runs up to
-  `burst` items in the order `schedule` prefers ("copy_first": copy streams whenever they may run, which
-  exposes a missing fence before a store or a load; "compute_first"; "random"; "copy_lag": copies run
-  rarely, so many jobs are queued at once and anything released before its job ran gets reused), seeded. Waits and events
-  behave as CUDA's (a wait captures the event's latest record at call time); `synchronize_*` runs work until
-  the event or stream is done. The fake engine's forward runs as work on a compute stream
+- Streams are FIFO queues whose work runs only when the simulator decides (sim_streams.py): at each API
+  call up to `burst` items run in the order `schedule` prefers ("copy_first" exposes a missing fence
+  before a store or a load; "compute_first"; "random"; "copy_lag" queues many jobs at once, so anything
+  released before its job ran gets reused), seeded. Waits and events behave as CUDA's (a wait captures
+  the event's latest record at call time); `synchronize_*` runs work until the event or stream is done. The fake engine's forward runs as work on a compute stream
   (`launch_host_work`), so a copy that races the forward corrupts KV and the fake model's check fails.
 - The calling thread's current device is tracked (a new thread starts on device 0); every call that
   touches a stream, event or memory checks it matches, and `devices_touched[thread id]` records every
@@ -26,12 +25,10 @@ benchmark can subtract it and keep only the backend's own host time.
 from __future__ import annotations
 
 import ctypes
-import random
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,39 +36,11 @@ import torch
 from worker_side.copy_plan import Segments
 from worker_side.cpu_backend import run_segments
 from worker_side.cuda_api import CudaError
+from worker_side.sim_streams import SCHEDULES, SimEvent, SimStream, SimWork, StreamScheduler
+
+__all__ = ["SCHEDULES", "SimCompute", "SimCudaRuntime"]
 
 PAGE = 4096
-SCHEDULES = ("copy_first", "compute_first", "random", "copy_lag")
-
-
-@dataclass(eq=False)
-class SimStream:
-    device: int
-    name: str
-    compute: bool
-    queue: deque = field(default_factory=deque)
-    enqueued: int = 0  # items ever enqueued (waits included)
-    completed: int = 0  # items ever run, in order
-
-
-@dataclass(eq=False)
-class SimEvent:
-    device: int
-    target: tuple[SimStream, int] | None = None  # the latest record: done once the stream ran this many items
-
-    def done(self) -> bool:
-        return _done(self.target)
-
-
-def _done(target: tuple[SimStream, int] | None) -> bool:
-    return target is None or target[0].completed >= target[1]
-
-
-@dataclass(slots=True)
-class _Work:
-    kind: str  # "wait" | "copy" | "kernel" | "compute"
-    run: Callable[[], None] | None = None
-    wait: tuple[SimStream, int] | None = None
 
 
 class SimCudaRuntime:
@@ -81,24 +50,21 @@ class SimCudaRuntime:
                  supports_batch: bool = True, supports_kernel: bool = True, fail_register: bool = False,
                  max_register_bytes: int | None = None, numa_nodes: dict[int, int] | None = None,
                  copy_bytes: bool = True) -> None:
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r}; allowed: {', '.join(SCHEDULES)}")
-        self.num_devices, self.schedule, self.burst = num_devices, schedule, burst
+        self._queues = StreamScheduler(schedule, seed, burst)
+        self.num_devices, self.schedule = num_devices, schedule
         self.supports_batch, self.supports_kernel = supports_batch, supports_kernel
         self.fail_register, self.max_register_bytes = fail_register, max_register_bytes
         self.numa_nodes = dict(numa_nodes or {})
         # False (submission benchmarks): calls are still checked, but queued work moves no bytes and the kernel
         # does not expand its block ids (that would evict the caches the next timed submission runs on)
         self.copy_bytes = copy_bytes
-        self._rng = random.Random(seed)
         self._lock = threading.RLock()
         self._tls = threading.local()
         self._compute = [SimStream(d, f"compute{d}", True) for d in range(num_devices)]
-        self.streams: list[SimStream] = list(self._compute)
+        self._queues.streams.extend(self._compute)
         self._device_memory: list[tuple[int, int, int, torch.Tensor]] = []  # (start, end, device, tensor)
         self.registrations: dict[int, tuple[int, int, int]] = {}  # ptr -> (end, device, first page)
         self.faults: list[str] = []
-        self.errors: list[BaseException] = []  # raised by compute work (e.g. the fake model's IntegrityError)
         self.calls: Counter[str] = Counter()
         self.devices_touched: dict[int, set[int]] = {}
         self.self_time = 0.0
@@ -109,7 +75,7 @@ class SimCudaRuntime:
         device = self.get_device()
         self.calls[op] += 1
         self.devices_touched.setdefault(threading.get_ident(), set()).add(device)
-        self._tick()
+        self._queues.tick()
         return device
 
     def _fault(self, message: str) -> str:
@@ -158,7 +124,7 @@ class SimCudaRuntime:
         with self._lock:
             device = self._enter("create_stream")
             s = SimStream(device, f"copy{device}.{len(self.streams)}{'-low' if low_priority else ''}", False)
-            self.streams.append(s)
+            self._queues.streams.append(s)
             return s
 
     def create_event(self) -> SimEvent:
@@ -174,7 +140,7 @@ class SimCudaRuntime:
         with self._lock:
             self._same_device("wait_event", self._enter("wait_event"), stream)
             if event.target is not None:
-                self._push(stream, _Work("wait", wait=event.target))
+                self._queues.push(stream, SimWork("wait", wait=event.target))
 
     def query_event(self, event: SimEvent) -> bool:
         with self._lock:
@@ -184,12 +150,12 @@ class SimCudaRuntime:
     def synchronize_event(self, event: SimEvent) -> None:
         with self._lock:
             self._enter("synchronize_event")
-            self._run_until(event.done, "synchronize_event")
+            self._queues.run_until(event.done, "synchronize_event")
 
     def synchronize_stream(self, stream: SimStream) -> None:
         with self._lock:
             self._same_device("synchronize_stream", self._enter("synchronize_stream"), stream)
-            self._run_until(lambda: stream.completed == stream.enqueued, "synchronize_stream")
+            self._queues.run_until(lambda: stream.completed == stream.enqueued, "synchronize_stream")
 
     # ---- host memory -----------------------------------------------------------------------------------
     def host_register(self, ptr: int, nbytes: int) -> None:
@@ -261,7 +227,7 @@ class SimCudaRuntime:
             fault = self._check_copies(op, device, segs, pageable)
             if fault is not None:
                 raise CudaError(fault)
-            self._push(stream, _Work("copy", run=lambda: self._move(segs)))
+            self._queues.push(stream, SimWork("copy", run=lambda: self._move(segs)))
         self.self_time += time.perf_counter() - t0
 
     def _move(self, segs: Segments) -> None:
@@ -296,80 +262,31 @@ class SimCudaRuntime:
                 if self._check_copies("block-copy kernel", device, segs) is None:
                     run_segments(segs)
 
-            self._push(stream, _Work("kernel", run=run))
+            self._queues.push(stream, SimWork("kernel", run=run))
         self.self_time += time.perf_counter() - t0
 
     def launch_host_work(self, stream: SimStream, fn: Callable[[], None]) -> None:
         """Enqueue `fn` as a kernel on `stream` (the fake model's forward: reads and writes of KV blocks)."""
         with self._lock:
             self._same_device("launch_host_work", self._enter("launch_host_work"), stream)
-            self._push(stream, _Work("compute", run=fn))
-
-    # ---- the scheduler of queued work ------------------------------------------------------------------
-    def _push(self, stream: SimStream, work: _Work) -> None:
-        stream.queue.append(work)
-        stream.enqueued += 1
-
-    def _runnable(self) -> list[SimStream]:
-        out = []
-        for s in self.streams:
-            while s.queue and s.queue[0].kind == "wait" and _done(s.queue[0].wait):
-                s.queue.popleft()
-                s.completed += 1
-            if s.queue and s.queue[0].kind != "wait":
-                out.append(s)
-        return out
-
-    def _pick(self, runnable: list[SimStream]) -> SimStream | None:
-        if self.schedule == "copy_lag":
-            compute = [s for s in runnable if s.compute]
-            if compute:
-                return self._rng.choice(compute)
-            return self._rng.choice(runnable) if self._rng.random() < 0.1 else None
-        if self.schedule != "random":
-            prefer_compute = self.schedule == "compute_first"
-            preferred = [s for s in runnable if s.compute == prefer_compute]
-            runnable = preferred or runnable
-        return self._rng.choice(runnable)
-
-    def _step(self, forced: bool = False) -> bool:
-        runnable = self._runnable()
-        if not runnable:
-            return False
-        s = self._pick(runnable)
-        if s is None:
-            if not forced:
-                return False
-            s = self._rng.choice(runnable)
-        work = s.queue.popleft()
-        try:
-            if work.run is not None:
-                work.run()
-        except Exception as exc:  # work of the fake model: surfaced to the engine by SimCompute
-            self.errors.append(exc)
-        s.completed += 1
-        self._runnable()  # consume waits that just became satisfied
-        return True
-
-    def _tick(self) -> None:
-        for _ in range(self._rng.randint(0, self.burst)):
-            if not self._step():
-                break
-
-    def _run_until(self, condition: Callable[[], bool], op: str) -> None:
-        while not condition():
-            if not self._step(forced=True):
-                raise CudaError(f"{op}: deadlock: work is queued but nothing can run "
-                                f"({[(s.name, len(s.queue)) for s in self.streams if s.queue]})")
+            self._queues.push(stream, SimWork("compute", run=fn))
 
     def drain(self) -> None:
         """Run every queued item (tests, end of a run)."""
         with self._lock:
-            self._run_until(lambda: all(not s.queue for s in self.streams), "drain")
+            self._queues.drain()
+
+    @property
+    def streams(self) -> list[SimStream]:
+        return self._queues.streams
+
+    @property
+    def errors(self) -> list[BaseException]:
+        return self._queues.errors
 
     @property
     def num_queued(self) -> int:
-        return sum(len(s.queue) for s in self.streams)
+        return self._queues.num_queued
 
 
 def _read_int64(ptr: int, count: int) -> np.ndarray:

@@ -1,0 +1,125 @@
+"""The simulated device's streams and events, and the scheduler that decides when queued work runs.
+
+Part of the simulated CUDA device (cuda_sim.py), for tests and benchmarks only. A stream is a FIFO of work
+items; an event's record is (stream, items enqueued so far), done once the stream has run that many; a wait
+is an item that blocks its stream until its event's record at enqueue time is done. `StreamScheduler` runs
+runnable heads in the order its `schedule` prefers (seeded): "copy_first" runs copies whenever they may run,
+"compute_first" the forward, "random" either, "copy_lag" copies only rarely (deep queues). `tick` runs a
+few items (called at every API call), `run_until` as many as a condition needs (synchronization).
+Exceptions raised by work (the fake model's IntegrityError) are kept in `errors`, never raised here.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from worker_side.cuda_api import CudaError
+
+SCHEDULES = ("copy_first", "compute_first", "random", "copy_lag")
+
+
+@dataclass(eq=False)
+class SimStream:
+    device: int
+    name: str
+    compute: bool
+    queue: deque = field(default_factory=deque)
+    enqueued: int = 0  # items ever enqueued (waits included)
+    completed: int = 0  # items ever run, in order
+
+
+@dataclass(eq=False)
+class SimEvent:
+    device: int
+    target: tuple[SimStream, int] | None = None  # the latest record: done once the stream ran this many items
+
+    def done(self) -> bool:
+        return _done(self.target)
+
+
+def _done(target: tuple[SimStream, int] | None) -> bool:
+    return target is None or target[0].completed >= target[1]
+
+
+@dataclass(slots=True)
+class SimWork:
+    kind: str  # "wait" | "copy" | "kernel" | "compute"
+    run: Callable[[], None] | None = None
+    wait: tuple[SimStream, int] | None = None
+
+
+class StreamScheduler:
+    def __init__(self, schedule: str, seed: int, burst: int) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r}; allowed: {', '.join(SCHEDULES)}")
+        self.schedule, self.burst = schedule, burst
+        self._rng = random.Random(seed)
+        self.streams: list[SimStream] = []
+        self.errors: list[BaseException] = []  # raised by work (e.g. the fake model's IntegrityError)
+
+    def push(self, stream: SimStream, work: SimWork) -> None:
+        stream.queue.append(work)
+        stream.enqueued += 1
+
+    def runnable(self) -> list[SimStream]:
+        out = []
+        for s in self.streams:
+            while s.queue and s.queue[0].kind == "wait" and _done(s.queue[0].wait):
+                s.queue.popleft()
+                s.completed += 1
+            if s.queue and s.queue[0].kind != "wait":
+                out.append(s)
+        return out
+
+    def _pick(self, runnable: list[SimStream]) -> SimStream | None:
+        if self.schedule == "copy_lag":
+            compute = [s for s in runnable if s.compute]
+            if compute:
+                return self._rng.choice(compute)
+            return self._rng.choice(runnable) if self._rng.random() < 0.1 else None
+        if self.schedule != "random":
+            prefer_compute = self.schedule == "compute_first"
+            preferred = [s for s in runnable if s.compute == prefer_compute]
+            runnable = preferred or runnable
+        return self._rng.choice(runnable)
+
+    def step(self, forced: bool = False) -> bool:
+        runnable = self.runnable()
+        if not runnable:
+            return False
+        s = self._pick(runnable)
+        if s is None:
+            if not forced:
+                return False
+            s = self._rng.choice(runnable)
+        work = s.queue.popleft()
+        try:
+            if work.run is not None:
+                work.run()
+        except Exception as exc:  # work of the fake model: surfaced to the engine by SimCompute
+            self.errors.append(exc)
+        s.completed += 1
+        self.runnable()  # consume waits that just became satisfied
+        return True
+
+    def tick(self) -> None:
+        for _ in range(self._rng.randint(0, self.burst)):
+            if not self.step():
+                break
+
+    def run_until(self, condition: Callable[[], bool], op: str) -> None:
+        while not condition():
+            if not self.step(forced=True):
+                raise CudaError(f"{op}: deadlock: work is queued but nothing can run "
+                                f"({[(s.name, len(s.queue)) for s in self.streams if s.queue]})")
+
+    def drain(self) -> None:
+        """Run every queued item (tests, end of a run)."""
+        self.run_until(lambda: all(not s.queue for s in self.streams), "drain")
+
+    @property
+    def num_queued(self) -> int:
+        return sum(len(s.queue) for s in self.streams)
