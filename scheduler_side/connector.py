@@ -74,9 +74,9 @@ class OffloadScheduler(Completions):
         self._next_load_event = 0
         self._next_store_event = 0
         self._kv_events: list[KVEvent] = []
-        self.policy: StorePolicy = make_store_policy(self.config, SchedulerView(
-            self.cpu_pool, self.gpu_pool, self._store_events, self.block_size, self.group_id,
-            self.max_blocks_per_step, self.config.lazy_lookahead_blocks))
+        self._view = SchedulerView(self.cpu_pool, self.gpu_pool, self._store_events, self.block_size,
+                                   self.group_id, self.max_blocks_per_step, self.config.lazy_lookahead_blocks)
+        self.policy: StorePolicy = make_store_policy(self.config, self._view)
 
     # ------------------------------------------------------------------ 1. lookup
     def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -319,7 +319,7 @@ class OffloadScheduler(Completions):
 
     def is_saved(self, key: bytes) -> bool:
         """A copy of this block's content is on the CPU tier or being stored there."""
-        return key in self.cpu_pool.cached or key in self.cpu_pool.reserved
+        return self._view.is_saved(key)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests

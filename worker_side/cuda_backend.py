@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from worker_side.arg_ring import ArgRing
 from worker_side.backend import CopyJob, JobKind, JobResult, TransferBackend
 from worker_side.block_layout import TensorBlockView
 from worker_side.copy_plan import CopyGeometry
@@ -47,7 +48,6 @@ from worker_side.cuda_api import CudaError, CudaRuntime, Event, Stream
 from worker_side.errors import BackendError, WorkerClosedError, WorkerInvariantError
 from worker_side.host_memory import allocate_host_buffer
 from worker_side.host_pool import HostPool
-from worker_side.segment_ring import SegmentRing
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class CudaBackend(TransferBackend):
         self._device: int | None = None
         self._geometry: dict[JobKind, CopyGeometry] = {}
         self._streams: dict[JobKind, Stream] = {}
-        self._rings: dict[JobKind, SegmentRing] = {}
+        self._rings: dict[JobKind, ArgRing] = {}
         self._plane_tables: dict[JobKind, int] = {}  # registered (num_planes, 5) tables, per direction
         self._inflight: dict[JobKind, deque[_InFlight]] = {"load": deque(), "store": deque()}
         self._job_ids: set[int] = set()
@@ -155,7 +155,7 @@ class CudaBackend(TransferBackend):
             self._plane_tables[kind] = words[at:].ctypes.data
             at += len(table)
         for kind in kinds:
-            self._rings[kind] = SegmentRing(words[at:at + self._ring_entries])
+            self._rings[kind] = ArgRing(words[at:at + self._ring_entries])
             at += self._ring_entries
         if len(kinds) == 1:
             self._rings["store"] = self._rings["load"]

@@ -27,9 +27,10 @@ from typing import Protocol
 
 import torch
 
-from offload_connector.config import EngineConfig
+from offload_connector.config import ConfigError, EngineConfig
 from offload_connector.fake_engine import kv_pattern
 from offload_connector.fake_engine.request import EngineRequest
+from worker_side.host_pool import mem_available_bytes
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -43,9 +44,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _check_fits(engine: EngineConfig, num_gpu_blocks: int) -> None:
     """Refuse a "GPU" KV cache larger than the host's available memory before allocating it."""
-    from offload_connector.config import ConfigError
-    from worker_side.host_pool import mem_available_bytes
-
     need = (engine.num_layers * 2 * num_gpu_blocks * engine.block_size * engine.num_kv_heads * engine.head_dim
             * torch.empty(0, dtype=_DTYPES[engine.dtype]).element_size())
     available = mem_available_bytes()

@@ -14,7 +14,7 @@ import numpy as np
 from worker_side.errors import WorkerInvariantError
 
 
-class SegmentRing:
+class ArgRing:
     def __init__(self, entries: np.ndarray) -> None:
         if entries.ndim != 1 or entries.dtype != np.int64:
             raise WorkerInvariantError(f"argument ring needs a flat int64 array, got {entries.shape} {entries.dtype} "
