@@ -29,7 +29,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from operator import attrgetter
 from typing import Any
+
+_ref_cnt = attrgetter("ref_cnt")
 
 
 class GpuPoolError(RuntimeError):
@@ -59,7 +62,7 @@ class VllmGpuPool:
             raise GpuPoolError(
                 f"GPU block id {bad} is the null block or out of range 1..{len(blocks) - 1} (our bug)"
             )
-        return [blocks[i] for i in gpu_block_ids]  # vLLM's null block is block 0, refused above
+        return list(map(blocks.__getitem__, gpu_block_ids))  # vLLM's null block is block 0, refused above
 
     def touch(self, gpu_block_ids: Sequence[int]) -> None:
         """Take one reference on each block: `BlockPool.touch` without its cache-access report."""
@@ -73,7 +76,7 @@ class VllmGpuPool:
         """Drop one reference per id listed. At zero vLLM's `free_blocks` queues a block (hashed: tail,
         unhashed: head); with `front` the blocks reaching zero then go to the head, first listed first."""
         blocks = self._blocks(gpu_block_ids)
-        if any(b.ref_cnt <= 0 for b in blocks) or len(set(gpu_block_ids)) != len(gpu_block_ids):
+        if blocks and min(map(_ref_cnt, blocks)) <= 0 or len(set(gpu_block_ids)) != len(gpu_block_ids):
             for gpu_block_id, num_frees in Counter(gpu_block_ids).items():  # the slow path names the block
                 ref_cnt = self.pool.blocks[gpu_block_id].ref_cnt
                 if ref_cnt < num_frees:

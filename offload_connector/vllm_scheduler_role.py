@@ -5,7 +5,8 @@ forwards each scheduler hook here. It owns
 - `scheduler`, the `OffloadScheduler` (CPU pool, per-request transfer state, stats),
 - the `VllmGpuPool` view through which that scheduler borrows vLLM's GPU `BlockPool`; it is empty until
   vLLM calls `bind_gpu_block_pool`, which vLLM does before the first `get_num_new_matched_tokens`,
-- the `StatsTracker` that turns the scheduler's running counters into per-interval deltas, and
+- the `StatsTracker` that turns the scheduler's running counters into deltas for vLLM (every 16 steps,
+  and on every step without a live request, so a burst's last figures are not held back), and
 - whether vLLM asked for KV-cache events.
 Everything here runs on vLLM's scheduler thread, one hook at a time; nothing touches a KV tensor. The
 translation is from vLLM's types (`Request`, `KVCacheBlocks`, `SchedulerOutput`, `KVConnectorOutput`) to
@@ -15,6 +16,7 @@ the scheduler side's (`StepRequest`, `WorkerReport`) and back (`OffloadConnector
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from offload_connector.config import OffloadConfig
@@ -32,6 +34,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+_block_id = attrgetter("block_id")
 
 
 class SchedulerRole:
@@ -63,7 +67,7 @@ class SchedulerRole:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        gpu_block_ids = [block.block_id for block in blocks.blocks[0]] if blocks.blocks else []
+        gpu_block_ids = list(map(_block_id, blocks.blocks[0])) if blocks.blocks else []
         self.scheduler.update_state_after_alloc(request, gpu_block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadConnectorMetadata:
@@ -80,11 +84,10 @@ class SchedulerRole:
         resumed_ids = cached.resumed_req_ids
         for req_id, new_ids, before in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
                                            strict=True):
-            n = num_scheduled[req_id]
-            if before % bs + n < bs and not (new_ids and new_ids[0]) and req_id not in resumed_ids:
-                continue  # the common decode step: no new block, none completed; nothing to tell
-            steps.append(StepRequest(req_id, new_ids[0] if new_ids else [], before + n,
-                                     req_id in resumed_ids))
+            after = before + num_scheduled[req_id]
+            if (new_ids is None or not new_ids[0]) and after // bs == before // bs and req_id not in resumed_ids:
+                continue  # StepRequest's contract: no new block, none completed (a decode step): leave it out
+            steps.append(StepRequest(req_id, new_ids[0] if new_ids else [], after, req_id in resumed_ids))
         return OffloadConnectorMetadata(sched.build_connector_meta(steps))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -112,6 +115,6 @@ class SchedulerRole:
             return None
         sched = self.scheduler
         pool = sched.cpu_pool
-        return self._stats_tracker.take(sched.stats.values(), lambda: {
+        return self._stats_tracker.take(sched.stats.values, lambda: {
             "cpu_pool_usage": round(pool.usage, 4), "cpu_blocks_cached": len(pool.cached),
-            "cpu_blocks_total": pool.num_blocks - 1})
+            "cpu_blocks_total": pool.num_blocks - 1}, flush=not sched.has_live_requests())

@@ -152,14 +152,25 @@ class BlockPool:
             block.block_hash = key
             self.reserved[key] = block
 
-    def commit(self, block: Block) -> bytes | None:
-        """The reserved content arrived: cache it. Returns its key (None if another block caches it now)."""
-        key = self._unreserve(block)
-        return key if self.cache(block, key) else None
+    def commit(self, blocks: Iterable[Block]) -> list[bytes]:
+        """The reserved contents arrived: cache them. Returns the keys now hit-able (a key another block
+        caches meanwhile stays with that block: its reservation is dropped and nothing is cached here)."""
+        committed = []
+        cached, on_cached = self.cached, self.free_queue.on_cached
+        for block in blocks:
+            key = self._unreserve(block)
+            current = cached.get(key)
+            if current is None:
+                block.block_hash = key
+                cached[key] = block
+                on_cached(block, key)
+                committed.append(key)
+        return committed
 
-    def abort(self, block: Block) -> None:
-        """The reserved content will not arrive (a failed copy): forget the reservation."""
-        self._unreserve(block)
+    def abort(self, blocks: Iterable[Block]) -> None:
+        """The reserved contents will not arrive (a failed copy): forget the reservations."""
+        for block in blocks:
+            self._unreserve(block)
 
     def _unreserve(self, block: Block) -> bytes:
         key = block.block_hash

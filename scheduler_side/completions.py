@@ -122,18 +122,14 @@ class Completions:
             return
         del self._store_events[event_id]
         cpu_pool, failed = self.cpu_pool, event.failed
-        kv_events = self._kv_events if self.emit_kv_events else None
-        for block in event.cpu_blocks:
-            if failed:
-                cpu_pool.abort(block)
-                continue
-            key = cpu_pool.commit(block)  # None: the key is cached already (nothing hit-able here)
-            if key is not None and kv_events is not None:
-                kv_events.append(KVEvent("stored", key))
         if failed:
+            cpu_pool.abort(event.cpu_blocks)
             self.stats.num_failed_store_blocks += len(event.cpu_blocks)
             cpu_pool.free(event.cpu_blocks, front=True)
         else:
+            keys = cpu_pool.commit(event.cpu_blocks)  # leaves out keys another block cached meanwhile
+            if self.emit_kv_events:
+                self._kv_events.extend(KVEvent("stored", key) for key in keys)
             self.stats.num_stored_blocks += len(event.cpu_blocks)
             cpu_pool.free(event.cpu_blocks)
         self.gpu_pool.free(event.gpu_block_ids, front=self.policy.gpu_copy_worthless_after_store and not failed)
@@ -155,6 +151,10 @@ class Completions:
         """Transfers in flight or queued (the engine should keep stepping until this is zero)."""
         return (len(self._store_events) + sum(1 for s in self._requests.values() if s.load is not None)
                 + self.policy.num_held_blocks)
+
+    def has_live_requests(self) -> bool:
+        """Some request is looked up, waiting for its load, or running (O(1))."""
+        return bool(self._requests)
 
     def is_idle(self) -> bool:
         return not self._store_events and not self._loads_to_send and not self.policy.num_held_blocks and all(

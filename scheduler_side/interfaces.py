@@ -54,6 +54,11 @@ class StepRequest(NamedTuple):
     `new_gpu_block_ids` are appended to what the connector knows of the request's blocks; with
     `replace_blocks` they are the request's whole block list (new or resumed requests).
     `num_computed_tokens` is the count *after* this step's forward has run.
+
+    An adapter may leave out a request that gets no new blocks, is not resumed and completes no block
+    this step (`num_computed_tokens // block_size` unchanged): every decision of the connector and its
+    policies depends on whole blocks only, so `RequestState.num_computed_tokens` may lag within a block.
+    vLLM's adapter leaves out such decode steps (most of a batch); the fake engine sends every request.
     """
 
     request_id: str

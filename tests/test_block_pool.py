@@ -112,8 +112,8 @@ def test_reserve_commit_abort_keep_the_key_in_the_pool():
     pool.reserve([a, b], [b"ka", b"kb"])
     assert pool.lookup(b"ka") is None and pool.reserved == {b"ka": a, b"kb": b}
     pool.check_integrity()
-    assert pool.commit(a) == b"ka" and pool.lookup(b"ka") is a
-    pool.abort(b)
+    assert pool.commit([a]) == [b"ka"] and pool.lookup(b"ka") is a
+    pool.abort([b])
     assert pool.reserved == {} and b.block_hash is None and pool.lookup(b"kb") is None
     pool.free([a, b])
     pool.check_integrity()
@@ -132,7 +132,7 @@ def test_reserve_refuses_without_changing_anything():
     with pytest.raises(PoolError, match="held and empty"):
         pool.reserve([free_block], [b"kf"])
     with pytest.raises(PoolError, match="no reservation"):
-        pool.commit(a)
+        pool.commit([a])
 
 
 def test_commit_of_a_key_cached_meanwhile_caches_nothing():
@@ -140,7 +140,7 @@ def test_commit_of_a_key_cached_meanwhile_caches_nothing():
     a, b = pool.allocate(2)
     pool.reserve([a], [b"k"])
     pool.cache(b, b"k")  # another block got the same content first
-    assert pool.commit(a) is None and pool.lookup(b"k") is b and a.block_hash is None
+    assert pool.commit([a]) == [] and pool.lookup(b"k") is b and a.block_hash is None
 
 
 def test_integrity_detects_a_broken_reservation():

@@ -287,3 +287,28 @@ def test_cpu_eviction_publishes_block_removed() -> None:
     assert removed and all(e.medium == "CPU" for e in removed)
     assert sim.stats.reduce()["num_cpu_evictions"] == len(removed)
     sim.assert_no_leaks()
+
+
+def test_stats_reach_vllm_every_n_steps_and_when_quiet() -> None:
+    """The tracker reports deltas every `every` steps (sums unchanged) and at once on `flush`."""
+    from offload_connector.vllm_stats import COUNTERS, StatsTracker
+
+    tracker, total = StatsTracker(every=4), [0] * len(COUNTERS)
+    assert COUNTERS[0] == "num_lookups"
+    gauges = dict  # no gauges: only the counters matter here
+
+    def values() -> tuple[int, ...]:
+        return tuple(total)
+
+    reports = []
+    for _ in range(10):
+        total[0] += 1
+        reports.append(tracker.take(values, gauges))
+    assert [r is not None for r in reports] == [False, False, False, True] * 2 + [False, False]
+    assert sum(r.counters["num_lookups"] for r in reports if r) == 8  # two steps not reported yet
+    total[0] += 1
+    flushed = tracker.take(values, gauges, flush=True)
+    assert flushed is not None and flushed.counters["num_lookups"] == 3  # the rest, at once
+    assert tracker.take(values, gauges, flush=True) is None  # nothing changed since
+    with pytest.raises(ValueError, match="every"):
+        StatsTracker(every=0)
