@@ -74,7 +74,7 @@ def bench_size(block_bytes: int, batch_bytes: int, threads: int, reps: int, rng:
 
         def load(gpu: list[int] = gpu, cpu: list[int] = cpu) -> None:
             worker.start_load(TransferMetadata(load_event=next(event), load_gpu_blocks=gpu, load_cpu_blocks=cpu,
-                                               load_event_reqs=["r"], load_req_num_blocks=[n]))
+                                               load_event_reqs=["r"]))
             worker.get_finished()
 
         store_s, load_s = best_of(reps, store), best_of(reps, load)
@@ -140,7 +140,7 @@ def bench_cuda_sim(reps: int, seed: int) -> dict:
                         meta = (TransferMetadata(store_event=next(event), store_gpu_blocks=gpu, store_cpu_blocks=cpu)
                                 if kind == "store" else
                                 TransferMetadata(load_event=next(event), load_gpu_blocks=gpu, load_cpu_blocks=cpu,
-                                                 load_event_reqs=["r"], load_req_num_blocks=[n]))
+                                                 load_event_reqs=["r"]))
                         worker.begin_step()
                         before_calls, before_sim = backend.num_copy_calls, rt.self_time
                         in_backend[0] = 0.0
@@ -197,7 +197,7 @@ def bench_cuda_size(block_bytes: int, pattern: str, batch_bytes: int, reps: int,
     def load() -> None:
         worker.begin_step()
         worker.start_load(TransferMetadata(load_event=next(event), load_gpu_blocks=gpu, load_cpu_blocks=cpu,
-                                           load_event_reqs=["r"], load_req_num_blocks=[n]))
+                                           load_event_reqs=["r"]))
         worker.wait_all()
         worker.get_finished()
 

@@ -4,8 +4,8 @@ Direction words: *store* is GPU->CPU, *load* is CPU->GPU (never swap/spill/fetch
 
 - `TransferMetadata`: scheduler -> workers, once per step. All loads of a step form one load event and
   all stores one store event. `load_gpu_blocks[i]` receives `load_cpu_blocks[i]`; `store_gpu_blocks[i]`
-  is copied into `store_cpu_blocks[i]`. `load_req_num_blocks[j]` tells the worker how many of the load's GPU
-  blocks belong to `load_event_reqs[j]` (a count, the blocks being listed request by request).
+  is copied into `store_cpu_blocks[i]`. `load_event_reqs` names the requests whose blocks the load brings
+  back; they finish together (which blocks are whose is the scheduler's `LoadJob`, never needed here).
   Invariants: equal lengths per pair of lists; no GPU block appears twice in a step's loads; a store's GPU
   blocks hold KV that this step's forward has completed once it has run.
 - `WorkerReport`: one worker rank -> scheduler, once per step, naming its `rank`. With tensor parallelism
@@ -25,7 +25,6 @@ class TransferMetadata(msgspec.Struct, kw_only=True):
     load_gpu_blocks: list[int] = msgspec.field(default_factory=list)
     load_cpu_blocks: list[int] = msgspec.field(default_factory=list)
     load_event_reqs: list[str] = msgspec.field(default_factory=list)
-    load_req_num_blocks: list[int] = msgspec.field(default_factory=list)
     store_event: int | None = None
     store_gpu_blocks: list[int] = msgspec.field(default_factory=list)
     store_cpu_blocks: list[int] = msgspec.field(default_factory=list)

@@ -125,7 +125,7 @@ def round_trip(rt: SimCudaRuntime, w: OffloadWorker, kv: dict[str, torch.Tensor]
         t.view(torch.uint8).fill_(0x5A)
     w.begin_step()
     w.start_load(TransferMetadata(load_event=2, load_gpu_blocks=targets, load_cpu_blocks=cpu,
-                                  load_event_reqs=["r"], load_req_num_blocks=[len(cpu)]))
+                                  load_event_reqs=["r"]))
     w.wait_all()
     report = w.get_finished()
     assert report.finished_load_reqs == ["r"] and not report.failed_load_gpu_blocks
@@ -275,7 +275,7 @@ def test_loads_never_block_the_engine_thread() -> None:
     w = sim_worker(rt, kv, 12)
     w.begin_step()
     w.start_load(TransferMetadata(load_event=1, load_gpu_blocks=[1, 2], load_cpu_blocks=[3, 4],
-                                  load_event_reqs=["r"], load_req_num_blocks=[2]))
+                                  load_event_reqs=["r"]))
     assert w.get_finished().finished_load_reqs == []  # still queued: not waited for
     assert rt.calls["synchronize_event"] == 0 and rt.calls["synchronize_stream"] == 0
     rt.drain()

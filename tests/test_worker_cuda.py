@@ -49,7 +49,7 @@ def store(w: OffloadWorker, event: int, gpu: list[int], cpu: list[int]) -> None:
 def load(w: OffloadWorker, event: int, gpu: list[int], cpu: list[int]) -> None:
     w.begin_step()
     w.start_load(TransferMetadata(load_event=event, load_gpu_blocks=gpu, load_cpu_blocks=cpu,
-                                  load_event_reqs=["r"], load_req_num_blocks=[len(gpu)]))
+                                  load_event_reqs=["r"]))
 
 
 @pytest.mark.gpu
@@ -109,7 +109,7 @@ def test_load_waits_for_earlier_readers_but_overlaps_this_steps_forward():
     forward_done = torch.cuda.Event()
     forward_done.record()
     w.start_load(TransferMetadata(load_event=2, load_gpu_blocks=[10, 11, 12], load_cpu_blocks=[1, 2, 3],
-                                  load_event_reqs=["r"], load_req_num_blocks=[3]))
+                                  load_event_reqs=["r"]))
     w.wait_all()
     assert not forward_done.query(), "the load waited for this step's forward instead of overlapping it"
     torch.cuda.synchronize()

@@ -51,7 +51,7 @@ def round_trip(kv: dict[str, torch.Tensor], blocks: list[int], **register_kwargs
             t.view(torch.uint8).zero_()
         targets = [b % (NUM_GPU_BLOCKS - 1) + 1 for b in range(3, 3 + len(blocks))]
         w.start_load(TransferMetadata(load_event=2, load_gpu_blocks=targets, load_cpu_blocks=cpu_blocks,
-                                      load_event_reqs=["r"], load_req_num_blocks=[len(blocks)]))
+                                      load_event_reqs=["r"]))
         report = w.get_finished()
         assert report.finished_load_reqs == ["r"] and report.failed_load_gpu_blocks == []
         for g, t in zip(blocks, targets, strict=True):

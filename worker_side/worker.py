@@ -132,12 +132,6 @@ class OffloadWorker:
         """Issue this step's load (host pool -> KV cache) without waiting for it."""
         if meta.load_event is None:
             return
-        n = len(meta.load_gpu_blocks)
-        if meta.load_req_num_blocks and (len(meta.load_req_num_blocks) != len(meta.load_event_reqs)
-                                         or sum(meta.load_req_num_blocks) != n):
-            raise WorkerInvariantError(
-                f"load event {meta.load_event}: load_req_num_blocks {meta.load_req_num_blocks} does not match "
-                f"{len(meta.load_event_reqs)} requests and {n} blocks (scheduler bug)")
         cpu, gpu = self._checked_ids("load", meta.load_event, meta.load_cpu_blocks, meta.load_gpu_blocks)
         job_id = self._submit("load", meta.load_event, cpu, gpu, tuple(meta.load_event_reqs))
         self._loads_this_step.append(job_id)
