@@ -272,11 +272,19 @@ def load_config(path_or_dict: str | Path | Mapping[str, Any] | None = None) -> O
 
 
 def merge_configs(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """Deep-merge two config dicts; `override` wins key by key (used for inline vLLM extra config)."""
+    """Deep-merge two config dicts; `override` wins key by key (used for inline vLLM extra config).
+
+    Aliases are resolved in each source first, so `cpu_bytes_to_use` in `override` replaces `cpu_bytes`
+    in `base` (one source setting both is still refused)."""
+    return _deep_merge(_apply_aliases(base) if isinstance(base, Mapping) else base,
+                       _apply_aliases(override) if isinstance(override, Mapping) else override)
+
+
+def _deep_merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in override.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = merge_configs(out[key], value)
+            out[key] = _deep_merge(out[key], value)
         else:
             out[key] = value
     return out

@@ -110,6 +110,17 @@ class OffloadConnector(KVConnectorBase_V1):
             cfg.eviction, cfg.transfer.backend,
         )
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """False: no layer-by-layer work to keep out of CUDA graphs.
+
+        vLLM calls this while it builds its `VllmConfig` (on GPUs, when CUDA graphs are on): the earliest
+        hook that hands a connector its config. A bad config raises `ConfigError` here, before the engine
+        core, the model or any cache exists (pydantic wraps it in a `ValidationError`; the plugin's check
+        in vllm_plugin.py re-raises ours, and covers the set-ups where vLLM does not call this)."""
+        resolve_config(extra_config)  # parse only, allocates nothing
+        return False
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped store is only a future miss

@@ -2,7 +2,10 @@
 
 - `resolve_config(extra)`: `kv_connector_extra_config` -> `OffloadConfig`. `{"config_file": path}` names a
   YAML file (else the embedded default is the base); every other key is an inline config key and wins over
-  the file, key by key (`merge_configs`). Bad keys/values raise `ConfigError` naming them.
+  the file, key by key (`merge_configs`). Bad keys/values raise `ConfigError` naming them and where they
+  were set: the file's absolute path, or `kv_connector_extra_config`. Parses only, allocates nothing, so
+  it is also the early check run while vLLM builds its config (`vllm_plugin.py`,
+  `OffloadConnector.requires_piecewise_for_cudagraph`).
 - `describe_kv_cache(vllm_config, kv_cache_config)`: the one KV-cache shape both roles size the CPU tier
   from. Both roles call it with the same `kv_cache_config`, so the scheduler and every worker rank agree
   on `bytes_per_block` and hence on `num_cpu_blocks` (the workers re-check against their real tensors).
@@ -17,9 +20,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from offload_connector.config import (
+    ALIASES,
     ConfigError,
     OffloadConfig,
     config_source_dict,
@@ -50,12 +55,52 @@ class UnsupportedSetupError(ValueError):
 
 
 def resolve_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
-    """Our config from vLLM's `kv_connector_extra_config` (file, then inline keys on top)."""
+    """Our config from vLLM's `kv_connector_extra_config` (file, then inline keys on top).
+
+    A `ConfigError` says where the bad key was set: the config file's absolute path (relative paths start
+    at vLLM's working directory) or `kv_connector_extra_config`.
+    """
     inline = dict(extra or {})
     config_file = inline.pop("config_file", None)
     if config_file is not None and not isinstance(config_file, str):
-        raise ConfigError("config_file", config_file, "a path (string) to a YAML file")
-    return load_config(merge_configs(config_source_dict(config_file), inline))  # no file: the embedded default
+        raise ConfigError("config_file", config_file, "a path (string) to a YAML file",
+                          "in kv_connector_extra_config")
+    try:
+        base = config_source_dict(config_file)  # no file: the embedded default
+    except ConfigError as err:
+        raise _located(err, _absolute(config_file)) from None
+    try:
+        return load_config(merge_configs(base, inline))
+    except ConfigError as err:
+        inline_keys = [err.key] + [alias for alias, key in ALIASES.items() if key == err.key]
+        where = "kv_connector_extra_config" if any(_sets(inline, k) for k in inline_keys) else None
+        raise _located(err, where or _absolute(config_file)) from None
+
+
+def _absolute(path: str | None) -> str | None:
+    """The absolute path a config file was read from (as `read_config_file` resolves it)."""
+    if path is None:
+        return None
+    try:
+        return str(Path(path).resolve())
+    except (OSError, ValueError):
+        return path
+
+
+def _sets(data: Mapping[Any, Any], dotted_key: str) -> bool:
+    """Whether `data` itself sets the (dotted) key, e.g. `transfer.num_streams`."""
+    for name in dotted_key.split("."):
+        if not isinstance(data, Mapping) or name not in data:
+            return False
+        data = data[name]
+    return True
+
+
+def _located(err: ConfigError, where: str | None) -> ConfigError:
+    """`err`, its message ending with where the key was set (unless it already names that place)."""
+    if where is not None and where not in str(err):
+        err.args = (f"{err} (in {where})",)
+    return err
 
 
 @dataclass(frozen=True, slots=True)

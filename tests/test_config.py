@@ -79,6 +79,16 @@ def test_inline_overrides_file_keys():
     assert cfg.transfer.backend == "cpu" and cfg.transfer.num_streams == 1 and cfg.cpu_bytes == 2**30
 
 
+def test_vllms_key_overrides_the_file_or_default_cpu_bytes():
+    """`cpu_bytes_to_use` inline (vLLM's name) replaces the file's or the embedded default's `cpu_bytes`."""
+    from offload_connector.vllm_setup import resolve_config
+
+    assert load_config(merge_configs({"cpu_bytes": "8GiB"}, {"cpu_bytes_to_use": "4GiB"})).cpu_bytes == 4 * 2**30
+    assert resolve_config({"cpu_bytes_to_use": "4GiB"}).cpu_bytes == 4 * 2**30  # over the embedded default
+    with pytest.raises(ConfigError, match="not both"):
+        merge_configs({}, {"cpu_bytes": "1GiB", "cpu_bytes_to_use": "2GiB"})  # one source, both names
+
+
 def test_cpu_blocks_split_across_ranks():
     cfg = load_config({"cpu_bytes": "1MiB"})
     assert num_cpu_blocks(cfg, 1024, world_size=1) == 1024

@@ -59,6 +59,29 @@ def test_bad_extra_config_names_the_key() -> None:
         resolve_config({"cpu_bytes": "lots"})
 
 
+def test_a_bad_key_names_where_it_was_set(tmp_path, monkeypatch) -> None:
+    """Issue 12 item 7: the error names the file (absolute path) or kv_connector_extra_config."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "offload.yaml").write_text("store_policy: lazy\ntransfer:\n  num_streams: 0\n")
+    (tmp_path / "twice.yaml").write_text("eviction: lru\neviction: arc\n")
+    absolute = str((tmp_path / "offload.yaml").resolve())
+    # 1. A bad value in the file (named relative to the working directory): the file's absolute path.
+    with pytest.raises(ConfigError, match="transfer.num_streams") as err:
+        resolve_config({"config_file": "offload.yaml", "eviction": "arc"})
+    assert str(err.value).endswith(f"(in {absolute})")
+    # 2. A bad inline key on top of a good file: kv_connector_extra_config, not the file.
+    with pytest.raises(ConfigError, match="store_polcy") as err:
+        resolve_config({"config_file": "offload.yaml", "store_polcy": "lazy", "transfer": {"num_streams": 2}})
+    assert str(err.value).endswith("(in kv_connector_extra_config)")
+    # 3. A key given twice in the file, and a missing file: the absolute path, once.
+    with pytest.raises(ConfigError, match="eviction") as err:
+        resolve_config({"config_file": "twice.yaml"})
+    assert str((tmp_path / "twice.yaml").resolve()) in str(err.value)
+    with pytest.raises(ConfigError, match="config_file") as err:
+        resolve_config({"config_file": "missing.yaml"})
+    assert str(err.value).count(str(tmp_path.resolve() / "missing.yaml")) == 1
+
+
 # ---------------------------------------------------------------- KV-cache shape and refusals
 def test_shape_and_tp_split() -> None:
     vllm_config, kv_cache_config = fake_configs(tp=2)
