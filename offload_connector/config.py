@@ -188,18 +188,29 @@ def default_config_dict() -> dict[str, Any]:
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The raw mapping in a YAML config file (unvalidated: callers merge overrides, then `load_config`)."""
     p = Path(path)
+    where = _resolved(p)
     if not p.is_file():
         raise ConfigError("config_file", str(path), "a path to an existing YAML file",
-                          f"looked for {p.resolve()} (relative paths start at the working directory)")
+                          f"looked for {where} (relative paths start at the working directory)")
     try:
-        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
-        raise ConfigError("config_file", str(p.resolve()), "a valid YAML mapping", str(exc)) from exc
+        raise ConfigError("config_file", where, "a valid YAML mapping", str(exc)) from exc
+    except (OSError, UnicodeDecodeError) as exc:  # unreadable, or not text
+        raise ConfigError("config_file", where, "a readable UTF-8 YAML file", str(exc)) from exc
     if data is None:  # an empty file: the defaults
         return {}
     if not isinstance(data, dict):  # `[]`, `false` or `0` used to load as the defaults
-        raise ConfigError("<root>", data, "a mapping of config keys", f"in {p.resolve()}")
+        raise ConfigError("<root>", data, "a mapping of config keys", f"in {where}")
     return data
+
+
+def _resolved(p: Path) -> str:
+    """`p` made absolute for messages; as given when it cannot be (a NUL byte, a loop of links)."""
+    try:
+        return str(p.resolve())
+    except (OSError, ValueError, RuntimeError):
+        return str(p)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -148,3 +148,13 @@ def test_a_missing_config_file_says_where_it_was_looked_for(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=f"looked for {tmp_path / 'nope.yaml'}"):
         load_config("nope.yaml")
+
+
+def test_unreadable_config_files_are_config_errors(tmp_path):
+    """A NUL byte in the path, a file that is not UTF-8 text: one ConfigError each, no raw traceback."""
+    with pytest.raises(ConfigError, match="config_file"):
+        load_config("bad\0name.yaml")
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match="readable UTF-8"):
+        load_config(str(binary))
