@@ -30,6 +30,12 @@ Blocks with a transfer in flight carry the connector's own references (GPU and C
 preempt or abort at any point: `request_finished` always returns (False, None) and `handle_preemptions`
 has nothing to flush.
 
+Sleep mode and weight updates (vLLM 0.32 and 0.33): sleep (level >= 1) pauses the scheduler and calls
+`reset_prefix_cache(reset_connector=True)`, which calls `reset_cache` here: the CPU tier forgets all its
+contents, so KV computed with the old weights is never served after a weight update (the same call
+after an update without sleep does the same). vLLM 0.33 also asks `supports_sleep_mode` (True) and calls
+`unregister_kv_caches` before the KV memory is unmapped and `restore_kv_caches` after wake-up (worker).
+
 A hook of one role called on the other raises `RuntimeError` naming the hook and the role (a vLLM bug),
 except those with a harmless empty answer that vLLM or a wrapper may ask either role for:
 `get_kv_connector_stats` (None), `shutdown` (nothing), `has_pending_push_work` (False), `take_events`
@@ -55,7 +61,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload_connector.metadata import TransferMetadata
 from offload_connector.vllm_messages import OffloadConnectorMetadata, OffloadWorkerMetadata
-from offload_connector.vllm_setup import KVCacheShape, adopt_vllm_logging, describe_kv_cache, resolve_config
+from offload_connector.vllm_setup import (
+    KVCacheShape,
+    adopt_vllm_logging,
+    check_vllm_version,
+    describe_kv_cache,
+    resolve_config,
+)
 from offload_connector.vllm_stats import OffloadConnectorStats, OffloadPromMetrics
 
 if TYPE_CHECKING:
@@ -85,6 +97,7 @@ class OffloadConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
+        check_vllm_version()  # first: on another vLLM even the base class may fail in obscure ways
         super().__init__(vllm_config, role, kv_cache_config)
         adopt_vllm_logging()  # our start-up line and warnings reach vLLM's log, formatted as vLLM's
         self.config = resolve_config(self._kv_transfer_config.kv_connector_extra_config)
@@ -120,6 +133,12 @@ class OffloadConnector(KVConnectorBase_V1):
         in vllm_plugin.py re-raises ours, and covers the set-ups where vLLM does not call this)."""
         resolve_config(extra_config)  # parse only, allocates nothing
         return False
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """True (vLLM >= 0.33 asks): `reset_cache` drops the CPU tier at sleep, and the worker stops
+        copying between `unregister_kv_caches` and `restore_kv_caches`."""
+        return True
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -169,6 +188,11 @@ class OffloadConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched("request_finished").request_finished(request)
 
+    def reset_cache(self) -> bool:
+        """Forget every CPU-tier entry, in-flight stores included (`OffloadScheduler.reset_cache`); False
+        (vLLM's reset then reports failure) while the lazy policy holds blocks not yet stored."""
+        return self._sched("reset_cache").reset_cache()
+
     def has_pending_push_work(self) -> bool:
         return self.connector_scheduler is not None and self.connector_scheduler.has_pending_push_work()
 
@@ -193,9 +217,11 @@ class OffloadConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._work("register_kv_caches").register_kv_caches(kv_caches)
 
-    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor, attn_backend: Any = None) -> None:
-        """vLLM >= 0.33 hands one tensor holding every layer's blocks (block dimension first)."""
-        self._work("register_cross_layers_kv_cache").register_cross_layers_kv_cache(kv_cache)
+    def unregister_kv_caches(self) -> None:
+        self._work("unregister_kv_caches").unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        self._work("restore_kv_caches").restore_kv_caches()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

