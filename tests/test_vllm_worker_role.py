@@ -13,9 +13,10 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 import torch  # noqa: E402
-from test_vllm_scheduler import BS, Sim, tokens  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm_sim_helpers import BS, MODES, RESUME_STEPS, Sim, tokens  # noqa: E402
 
 from offload_connector.vllm_connector import OffloadConnector  # noqa: E402
 from worker_side import CpuBackend, OffloadWorker  # noqa: E402
@@ -83,12 +84,16 @@ def evict_then_hit(sim: Sim, evictor_tokens: int = 64) -> dict[str, int]:
     sim.add("B", prefix + tokens(24, 16))
     sim.step()  # admission: load issued in start_load_kv and awaited in get_finished
     assert sim.loads[-1] == ["B"]
-    return sim.step()
+    # B runs once vLLM has processed the admission step's output: the next step, or in async mode the one
+    # after (the next step was scheduled before that output was processed).
+    assert sim.steps_until_scheduled("B") == RESUME_STEPS[sim.mode]
+    return sim.scheduled[-1]
 
 
-def test_real_worker_loads_the_right_bytes() -> None:
-    sim = WorkerSim(num_gpu_blocks=6)
-    # 1-3. Store, evict, CPU hit: B computes only its 16 uncached tokens, the step after admission.
+@pytest.mark.parametrize("mode", MODES)
+def test_real_worker_loads_the_right_bytes(mode: str) -> None:
+    sim = WorkerSim(num_gpu_blocks=6, mode=mode)
+    # 1-3. Store, evict, CPU hit: B computes only its 16 uncached tokens, RESUME_STEPS after admission.
     assert evict_then_hit(sim) == {"B": 16}
     sim.run_until_idle()
     # 4. Every block any request read held the KV of its hash; the worker's byte counts reached the stats.
@@ -99,10 +104,47 @@ def test_real_worker_loads_the_right_bytes() -> None:
     sim.assert_no_leaks()
 
 
-def test_failed_load_is_reported_and_recomputed() -> None:
+@pytest.mark.parametrize(("mode", "policy"), [(m, p) for m in MODES for p in ("eager", "lazy")])
+def test_batched_hits_evictions_and_aborts_read_only_the_right_kv(mode: str, policy: str) -> None:
+    """Many requests in flight at once over 4 shared prefixes on 12 GPU blocks: prefixes are evicted,
+    stored and loaded back while other requests compute and some are aborted mid-flight (in async mode
+    while their batch is still in flight, so vLLM defers freeing their blocks)."""
+    sim = WorkerSim(num_gpu_blocks=12, num_cpu_blocks=64, mode=mode, store_policy=policy)
+    prefixes = [tokens(30 + p, 48) for p in range(4)]
+    n, aborted = 0, {RequestStatus.WAITING_FOR_REMOTE_KVS: 0, RequestStatus.RUNNING: 0}
+    deferred_frees = 0
+    for round_no in range(4):
+        # 1. A wave of 6 requests, each a shared prefix and its own suffix, scheduled together.
+        for i in range(6):
+            # A few decode steps (prompts end on a block boundary; 4 outputs complete no block).
+            sim.add(f"r{n}", prefixes[(round_no + i) % 4] + tokens(100 + n, 16 + 16 * (i % 3)), max_tokens=4)
+            n += 1
+        # 2. The client aborts a request waiting for its load, then one computing (in async mode with its
+        #    batch still in flight).
+        for status in (RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.RUNNING):
+            for _ in range(3):
+                sim.step()
+                victims = sorted(r for r, req in sim.sched.requests.items() if req.status == status)
+                if victims:
+                    sim.sched.finish_requests(victims[0], RequestStatus.FINISHED_ABORTED)
+                    aborted[status] += 1
+                    deferred_frees += len(sim.sched.deferred_frees)  # async: its batch is in flight
+                    break
+        sim.run_until_idle()
+    # 3. Every block any request read (GPU hits and every block loaded from the CPU tier) held its KV.
+    assert sim.integrity_errors == []
+    stats = sim.connector.offload.stats
+    assert stats.num_loaded_blocks > 0 and stats.num_failed_load_blocks == 0
+    assert all(aborted.values())  # both kinds of abort happened
+    assert (deferred_frees > 0) == (mode == "async")  # vLLM's defer_block_free held aborted blocks back
+    sim.assert_no_leaks()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_failed_load_is_reported_and_recomputed(mode: str) -> None:
     # 10 GPU blocks: vLLM 0.32 keeps a failed async load's prefill reservation while re-admitting the
     # request, so the retry needs room for B twice.
-    sim = WorkerSim(num_gpu_blocks=10, fail_load_events=(0,), failure_policy="recompute")
+    sim = WorkerSim(num_gpu_blocks=10, fail_load_events=(0,), failure_policy="recompute", mode=mode)
     # 1-3. The first load of B's 3 blocks fails: vLLM is told the bad blocks and recomputes B from them
     # the next step; their CPU copies are forgotten, so they are not offered (and failed) again.
     assert evict_then_hit(sim, evictor_tokens=128) == {"B": 64}
