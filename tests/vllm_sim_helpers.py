@@ -113,6 +113,7 @@ class Sim:
         self.scheduled: list[dict[str, int]] = []  # per step: req_id -> scheduled tokens
         self.loads: list[list[str]] = []  # per step: requests whose load was issued
         self.preempted: set[str] = set()
+        self.last_preempted: set[str] = set()  # preempted by the latest schedule()
         self.stats = OffloadConnector.build_kv_connector_stats()  # what vLLM's stats logger receives
         self.kv_events: list = []  # what vLLM's scheduler publishes from take_events()
         take_events = self.connector.take_events
@@ -143,7 +144,8 @@ class Sim:
         if self.sched.has_requests():
             out = self.sched.schedule()
             self.step_no += 1
-            self.preempted |= set(out.preempted_req_ids or ())
+            self.last_preempted = set(out.preempted_req_ids or ())
+            self.preempted |= self.last_preempted
             scheduled = dict(out.num_scheduled_tokens)
             self.scheduled.append(scheduled)
             self.loads.append(list(out.kv_connector_metadata.transfer.load_event_reqs))
