@@ -63,6 +63,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     num_cpu_blocks: Annotated[int, msgspec.Meta(ge=2)] | None = None
     store_policy: Literal["eager", "lazy"] = "eager"
     lazy_lookahead_blocks: NonNegativeInt | None = None
+    max_store_wait_steps: NonNegativeInt = 8
     eviction: Literal["lru", "arc"] = "lru"
     transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
     hash_algo: Literal["xxh3_128", "sha256"] = "xxh3_128"

@@ -35,6 +35,7 @@ _DOCS = {
     "num_store_skipped_blocks": "stores skipped because the CPU pool was pinned full",
     "num_failed_store_blocks": "blocks whose store failed",
     "num_failed_load_blocks": "blocks whose load failed (recomputed by vLLM)",
+    "num_store_wait_timeouts": "lookups that stopped waiting for a block still being stored and computed it",
     "num_cpu_evictions": "CPU-tier blocks evicted (LRU or ARC)",
     "bytes_stored": "bytes stored GPU->CPU (all ranks)",
     "bytes_loaded": "bytes loaded CPU->GPU (all ranks)",

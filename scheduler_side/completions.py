@@ -9,6 +9,8 @@ workers report, and the invariants about transfers in flight that `check_integri
   `LoadJob` to the CPU blocks whose content is then forgotten.
 - A completed store commits its CPU blocks' reservations (hit-able from now on) and frees them to the
   MRU end; a failed one aborts them and frees them to the LRU end; the GPU sources are released either way.
+- `reset_cache` (vLLM's reset_prefix_cache, sleep) forgets the tier's contents with transfers in flight:
+  they finish, failed or uncached, so nothing from before the call is hit-able after it.
 """
 
 from __future__ import annotations
@@ -136,6 +138,36 @@ class Completions:
         frontier = self.policy.on_store_complete(event_id)
         if frontier:  # saved blocks went to the head: the policy restores the GPU's LRU order around them
             self.gpu_pool.move_to_front(frontier)
+
+    def _drop_pending_hit(self, state: RequestState) -> None:
+        if state.pending_hit is not None:
+            self.cpu_pool.free(state.pending_hit.cpu_blocks)
+            state.pending_hit = None
+
+    def reset_cache(self) -> bool:
+        """Forget the CPU tier's contents (vLLM's `reset_prefix_cache(reset_connector=True)`, run by sleep
+        and after weight updates): nothing stored or being stored before the call is hit-able afterwards.
+
+        Every cached entry is dropped (free blocks go to the head of the free queue; a load in flight still
+        reads its blocks, which are then not cached again); pending hits are dropped (their requests look
+        up again); in-flight stores complete as failed (counted in `num_failed_store_blocks`), so their
+        content is never committed. No reference moves except the pending hits'. All that happens either
+        way; False says the store policy still holds GPU blocks it has not issued a store for (stored after
+        this call; vLLM's GPU reset fails then too): call again after a step. Between engine steps only."""
+        if self._loads_to_send:
+            raise SchedulerError(f"reset_cache with {len(self._loads_to_send)} loads not yet sent: called in "
+                                 "the middle of a step (between allocation and build_connector_meta)")
+        for state in self._requests.values():
+            if state.pending_hit is not None:
+                self._drop_pending_hit(state)
+                state.move_to(Phase.NEW)
+        for event in self._store_events.values():
+            event.failed = True
+        pool = self.cpu_pool
+        for block in list(pool.cached.values()):
+            if not pool.discard(block):  # held by a load in flight: keeps its place, loses its content key
+                pool.uncache(block)
+        return not self.policy.num_held_blocks
 
     def phase_of(self, request_id: str) -> Phase | None:
         """The request's lifecycle phase, or None when the connector holds no state for it."""

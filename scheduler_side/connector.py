@@ -83,8 +83,10 @@ class OffloadScheduler(Completions):
         """CPU hit after the engine's GPU hit: (tokens to load, load is async), or (None, False) to retry.
 
         The hit is the longest run of consecutive cached blocks starting at the GPU hit, capped so that at
-        least one prompt token is still computed. Its CPU blocks are pinned until allocation. The store
-        policy may defer the request a step (None) so that the GPU saves what its allocation would evict.
+        least one prompt token is still computed. Its CPU blocks are pinned until allocation. A block of
+        the run still being stored makes the request ask again next step (None), at most
+        `max_store_wait_steps` times per request; then the hit ends before that block. The store policy
+        may defer the request a step (None) so that the GPU saves what its allocation would evict.
         """
         state = self._requests.get(request.request_id)
         if state is None:
@@ -115,9 +117,12 @@ class OffloadScheduler(Completions):
             block = cached.get(key)
             if block is None:
                 if key in reserved:
-                    state.move_to(Phase.NEW)
-                    return None, False  # its store completes soon: ask again next step
-                if self._arc:
+                    if state.num_store_waits < self.config.max_store_wait_steps:
+                        state.num_store_waits += 1
+                        state.move_to(Phase.NEW)
+                        return None, False  # its store completes soon: ask again next step
+                    self.stats.num_store_wait_timeouts += 1  # waited enough: the hit ends here
+                elif self._arc:
                     self._note_misses(hashes, i, last)
                 break
             hits.append(block)
@@ -145,11 +150,6 @@ class OffloadScheduler(Completions):
         pool, group, hashes = self.cpu_pool, self.group_id, state.request.block_hashes
         for i in range(min(num_blocks, len(hashes))):
             pool.note_reuse(with_group_id(hashes[i], group))
-
-    def _drop_pending_hit(self, state: RequestState) -> None:
-        if state.pending_hit is not None:
-            self.cpu_pool.free(state.pending_hit.cpu_blocks)
-            state.pending_hit = None
 
     # ------------------------------------------------------------------ 2. after allocation
     def update_state_after_alloc(
@@ -310,31 +310,6 @@ class OffloadScheduler(Completions):
             state.move_to(Phase.NEW)
             state.gpu_block_ids = []
             state.num_store_checked_blocks = 0
-
-    def reset_cache(self) -> bool:
-        """Forget the CPU tier's contents (vLLM's `reset_prefix_cache(reset_connector=True)`, run by sleep
-        and after weight updates): nothing stored or being stored before the call is hit-able afterwards.
-
-        Every cached entry is dropped (free blocks go to the head of the free queue; a load in flight still
-        reads its blocks, which are then not cached again); pending hits are dropped (their requests look
-        up again); in-flight stores complete as failed (counted in `num_failed_store_blocks`), so their
-        content is never committed. No reference moves except the pending hits'. All that happens either
-        way; False says the store policy still holds GPU blocks it has not issued a store for (stored after
-        this call; vLLM's GPU reset fails then too): call again after a step. Between engine steps only."""
-        if self._loads_to_send:
-            raise SchedulerError(f"reset_cache with {len(self._loads_to_send)} loads not yet sent: called in "
-                                 "the middle of a step (between allocation and build_connector_meta)")
-        for state in self._requests.values():
-            if state.pending_hit is not None:
-                self._drop_pending_hit(state)
-                state.move_to(Phase.NEW)
-        for event in self._store_events.values():
-            event.failed = True
-        pool = self.cpu_pool
-        for block in list(pool.cached.values()):
-            if not pool.discard(block):  # held by a load in flight: keeps its place, loses its content key
-                pool.uncache(block)
-        return not self.policy.num_held_blocks
 
     # ------------------------------------------------------------------ introspection
     def take_events(self) -> list[KVEvent]:

@@ -94,6 +94,7 @@ class RequestState:
     pending_hit: PendingHit | None = None  # at most one; never together with an unfinished `load`
     load: LoadJob | None = None  # at most one load job in flight
     num_deferrals: int = 0  # lookups the store policy deferred to the next step (lazy: at most one)
+    num_store_waits: int = 0  # lookups answered "ask again" for a block being stored (bounded by config)
 
     @property
     def request_id(self) -> str:

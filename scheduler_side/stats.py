@@ -20,6 +20,7 @@ class SchedulerStats:
     num_store_skipped_blocks: int = 0  # wanted a store but the CPU pool was pinned full
     num_failed_store_blocks: int = 0
     num_failed_load_blocks: int = 0
+    num_store_wait_timeouts: int = 0  # lookups that stopped waiting for a block's store (max_store_wait_steps)
     num_cpu_evictions: int = 0
     bytes_stored: int = 0
     bytes_loaded: int = 0

@@ -414,3 +414,22 @@ def test_integrity_sees_a_phase_that_contradicts_the_transfers():
     sched._requests["B"].phase = Phase.RUNNING  # but its load job is in flight
     with pytest.raises(SchedulerError, match="B is running with pending hit False and load True"):
         sched.check_integrity()
+
+
+def test_lookup_waits_for_a_store_at_most_max_store_wait_steps():
+    """A store that never completes cannot hold a request back: after the configured retries it computes."""
+    sched, gpu = make_scheduler(block_size=BS, max_store_wait_steps=3)
+    a = FakeRequest("A", list(range(40)), BS)
+    _, _, ids = admit(sched, gpu, a)
+    meta = sched.build_connector_meta([step_done("A", ids, 40)])
+    b = FakeRequest("B", list(range(40)), BS)
+    assert [sched.get_num_new_matched_tokens(b, 0) for _ in range(3)] == [(None, False)] * 3
+    assert sched.get_num_new_matched_tokens(b, 0) == (0, False)  # waited enough: computes the prefix
+    assert sched.stats.num_store_wait_timeouts == 1
+    sched.request_finished(b)
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    c = FakeRequest("C", list(range(40)), BS)
+    assert sched.get_num_new_matched_tokens(c, 0) == (32, True)  # the store landed: a later request hits
+    sched.request_finished(c)
+    finish(sched, gpu, a, ids)
+    assert_idle(sched, gpu)
