@@ -54,6 +54,7 @@ class SchedulerRole:
             num_gpu_blocks=shape.num_gpu_blocks,
         )
         self._stats_tracker = StatsTracker()
+        self._drafted: set[str] = set()  # requests with draft tokens in the last step (speculative decoding)
         kv_events = getattr(vllm_config, "kv_events_config", None)
         self.emit_kv_events = bool(kv_events is not None and kv_events.enable_kv_cache_events)
         self.scheduler.emit_kv_events = self.emit_kv_events
@@ -82,10 +83,17 @@ class SchedulerRole:
         cached = scheduler_output.scheduled_cached_reqs
         bs = self.block_size
         resumed_ids = cached.resumed_req_ids
+        # Speculative decoding: a step with draft tokens may complete a block before its last tokens are
+        # accepted and hashed; the store policy picks it only once it has a hash, in a later step, so a
+        # request is kept in the step after one with drafts too (else a decode step inside the block
+        # would be left out and the block never stored).
+        drafted, previously_drafted = scheduler_output.scheduled_spec_decode_tokens, self._drafted
+        self._drafted = set(drafted)
         for req_id, new_ids, before in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
                                            strict=True):
             after = before + num_scheduled[req_id]
-            if (new_ids is None or not new_ids[0]) and after // bs == before // bs and req_id not in resumed_ids:
+            if ((new_ids is None or not new_ids[0]) and after // bs == before // bs and req_id not in resumed_ids
+                    and req_id not in drafted and req_id not in previously_drafted):
                 continue  # StepRequest's contract: no new block, none completed (a decode step): leave it out
             steps.append(StepRequest(req_id, new_ids[0] if new_ids else [], after, req_id in resumed_ids))
         return OffloadConnectorMetadata(sched.build_connector_meta(steps))

@@ -55,10 +55,12 @@ class StepRequest(NamedTuple):
     `replace_blocks` they are the request's whole block list (new or resumed requests).
     `num_computed_tokens` is the count *after* this step's forward has run.
 
-    An adapter may leave out a request that gets no new blocks, is not resumed and completes no block
-    this step (`num_computed_tokens // block_size` unchanged): every decision of the connector and its
-    policies depends on whole blocks only, so `RequestState.num_computed_tokens` may lag within a block.
-    vLLM's adapter leaves out such decode steps (most of a batch); the fake engine sends every request.
+    An adapter may leave out a request that gets no new blocks, is not resumed, completes no block this
+    step (`num_computed_tokens // block_size` unchanged) and gets no block hash it lacked before: every
+    decision of the connector and its policies depends on whole, hashed blocks only, so
+    `RequestState.num_computed_tokens` may lag within a block. vLLM's adapter leaves out such decode steps
+    (most of a batch); with speculative decoding a block can be complete before its hash exists, so it
+    keeps a request in a step with draft tokens and the step after. The fake engine sends every request.
     """
 
     request_id: str
