@@ -100,9 +100,13 @@ def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
 
 def block_tokens(hash_id: int, num_tokens: int) -> np.ndarray:
     """The first `num_tokens` tokens of the block named `hash_id`: a fixed pseudo-random function of it."""
-    i = np.arange(num_tokens, dtype=np.uint64)
+    return _mix(np.full(max(0, num_tokens), hash_id, dtype=np.uint64), np.arange(max(0, num_tokens), dtype=np.uint64))
+
+
+def _mix(hash_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Token `positions[k]` of block `hash_ids[k]`, for every k at once (uint64 arrays)."""
     with np.errstate(over="ignore"):
-        x = np.uint64(hash_id) * np.uint64(0x9E3779B97F4A7C15) + (i + np.uint64(1)) * np.uint64(0xBF58476D1CE4E5B9)
+        x = hash_ids * np.uint64(0x9E3779B97F4A7C15) + (positions + np.uint64(1)) * np.uint64(0xBF58476D1CE4E5B9)
         x ^= x >> np.uint64(31)
         x *= np.uint64(0x94D049BB133111EB)
         x ^= x >> np.uint64(29)
@@ -123,5 +127,10 @@ def prompt_tokens(req: TraceRequest, block_size: int, scaled: bool) -> list[int]
     """Token ids of a trace request's prompt (see the module docstring for `scaled`)."""
     per_block = block_size if scaled else TRACE_BLOCK_TOKENS
     length = prompt_length(req, block_size, scaled)
-    parts = [block_tokens(h, min(per_block, length - i * per_block)) for i, h in enumerate(req.hash_ids)]
-    return np.concatenate(parts).tolist()
+    # Block i holds tokens [i * per_block, (i + 1) * per_block) of the prompt, clipped to its length: all
+    # blocks at once (one numpy pass per request, not per block).
+    counts = np.clip(length - np.arange(len(req.hash_ids)) * per_block, 0, per_block)
+    hash_ids = np.repeat(np.array(req.hash_ids, dtype=np.uint64), counts)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    positions = (np.arange(len(hash_ids)) - starts).astype(np.uint64)
+    return _mix(hash_ids, positions).tolist()

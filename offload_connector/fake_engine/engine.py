@@ -16,8 +16,12 @@ reported it, and a load lets its request resume once every rank finished it (vLL
 waits for the forward, as with vLLM's async scheduling: transfers are ordered by their fences alone.
 
 `drain()` runs empty connector steps until every transfer is done and applied; `check()` then counts blocks still
-referenced (leaks) and runs every pool's `check_integrity()`. The engine owns the worker and shuts it down
-in `close()`; use it as a context manager.
+referenced (leaks) and runs every pool's `check_integrity()` (the fake models' expected-K/V arenas included).
+The engine owns the worker and shuts it down in `close()`; use it as a context manager.
+Memory stays flat however many requests run (the connector emits no KV events here, done requests give
+everything back), except for two records of one entry per request, each kept unless turned off:
+`outputs` (every finished request's tokens; `keep_outputs`) and `stats.samples` (one `HitSample` per
+admitted request, for plots; `keep_samples`).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ class FakeEngine:
     def __init__(self, config: OffloadConfig, connector: bool = True,
                  backend: TransferBackend | list[TransferBackend] | None = None, wait_for_loads: bool = True,
                  sync_stores: bool = False, compute: ComputeQueue | list[ComputeQueue] | None = None,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, keep_outputs: bool = True, keep_samples: bool = True) -> None:
         eng = config.engine
         if eng.num_cpu_blocks is not None and config.num_cpu_blocks is None:
             config = msgspec.structs.replace(config, num_cpu_blocks=eng.num_cpu_blocks)
@@ -83,8 +87,10 @@ class FakeEngine:
                 emit_kv_events=False)  # nobody here takes them: kept, they grew with every request
         self._load_reports: dict[str, int] = {}  # request id -> ranks that finished its load so far
         self.gpu.pool.on_evict = self._on_gpu_evict
-        self.scheduler = EngineScheduler(eng, self.gpu, self.connector, self.stats, self.model.release)
-        self.outputs: dict[str, list[int]] = {}  # finished request id -> generated tokens
+        self.scheduler = EngineScheduler(eng, self.gpu, self.connector, self.stats, self._release,
+                                         keep_samples=keep_samples)
+        self.keep_outputs = keep_outputs
+        self.outputs: dict[str, list[int]] = {}  # finished request id -> generated tokens (if keep_outputs)
         self._idle_steps = 0
 
     # ------------------------------------------------------------------ requests
@@ -124,8 +130,9 @@ class FakeEngine:
         finally:
             self._update_model_stats()
         finished = self.scheduler.update_from_output(out, sampled)
-        for req in finished:
-            self.outputs[req.request_id] = list(req.output_token_ids)
+        if self.keep_outputs:
+            for req in finished:
+                self.outputs[req.request_id] = list(req.output_token_ids)
         self._poll_worker(self.wait_for_loads)
         if out.chunks:
             self._idle_steps = 0
@@ -137,6 +144,11 @@ class FakeEngine:
                     f"{self._idle_steps} steps without progress; {len(self.scheduler.waiting)} waiting, "
                     f"{len(self.scheduler.running)} running, {self.gpu.pool.num_free_blocks} free GPU blocks")
         return finished
+
+    def _release(self, req: EngineRequest) -> None:
+        """The request is done (finished or aborted): every rank's model drops what it kept for it."""
+        for model in self.models:
+            model.release(req)
 
     def _on_gpu_evict(self, key: bytes, evicted: bool) -> None:
         """An allocation took a cached GPU block: count it, and whether the CPU tier had its content."""
@@ -212,6 +224,8 @@ class FakeEngine:
         self._update_model_stats()
         live_gpu = sum(len(r.gpu_block_ids) for r in self.scheduler.requests.values())
         self.gpu.pool.check_integrity()
+        for model in self.models:
+            model.check_integrity(self.scheduler.requests.values())
         self.stats.leaked_gpu_blocks = self.gpu.pool.num_held_blocks() - live_gpu
         if self.connector is not None:
             self.connector.check_integrity()

@@ -15,6 +15,7 @@ All arithmetic stays below 2^63 in int64. Imports torch only.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 
 import torch
 
@@ -43,12 +44,14 @@ def prefix_seeds(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
 
 def extend_seed(prev_seed: int, token: int, position: int) -> int:
     """The seed of position `position` given the seed of `position - 1` (0 for position 0)."""
-    return (prev_seed + ((token % P) + 1) * int(_powers_upto(position + 1)[position])) % P
+    return (prev_seed + ((token % P) + 1) * pow(R, position, P)) % P
 
 
+@cache
 def _value_keys(num_values: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per value index j: its odd multiplier and its offset (rows of shape (1, num_values); read-only)."""
     j = torch.arange(num_values, dtype=torch.int64)
-    return (j * 2_654_435_761 + 97) % P | 1, (j * 40_503 + 12_345) % P
+    return ((j * 2_654_435_761 + 97) % P | 1).unsqueeze(0), ((j * 40_503 + 12_345) % P).unsqueeze(0)
 
 
 def kv_values(seeds: torch.Tensor, positions: torch.Tensor, shape: tuple[int, int, int, int],
@@ -60,8 +63,9 @@ def kv_values(seeds: torch.Tensor, positions: torch.Tensor, shape: tuple[int, in
     num_layers, two, heads, dim = shape
     mult, add = _value_keys(num_layers * two * heads * dim)
     mixed = (seeds * 31 + positions * 1_000_033 + 7 + salt * 104_729) % P
-    v = torch.addcmul(add.unsqueeze(0), mixed.unsqueeze(1), mult.unsqueeze(0))  # < 2^63
-    v.bitwise_right_shift_(23).bitwise_and_(255).sub_(128)
+    v = torch.addcmul(add, mixed.unsqueeze(1), mult)  # < 2^63
+    # bits 23..30 as a byte b (the uint8 cast keeps the low 8 bits), then b - 128 as an int8: b ^ 128
+    v = v.bitwise_right_shift_(23).to(torch.uint8).bitwise_xor_(128).view(torch.int8)
     v = v.to(dtype).mul_(0.125)
     return v.view(-1, num_layers, two, heads, dim).permute(1, 2, 0, 3, 4)
 

@@ -3,43 +3,62 @@
 KV cache layout: one tensor per layer, named like vLLM's attention layers, shaped
 (2, num_gpu_blocks, block_size, num_kv_heads, head_dim) (K and V first, vLLM's flash-attention layout).
 
-Per scheduled request and step, `forward` launches one piece of work on its compute queue that
-1. verifies every token the request reads: all tokens before its `num_computed_tokens` (computed in
-   earlier steps, GPU prefix-cache hits and blocks loaded from the CPU tier alike) must hold exactly the
-   K/V `kv_pattern` expects; a mismatch increments `num_integrity_errors` and raises `IntegrityError`;
-2. writes the K/V of the tokens it computes this step;
-and, on the host, samples the next token (a function of the prefix, not of the KV) when the request's
+Per step, `forward` launches work on its compute queue (one piece for all scheduled requests when the
+queue runs it at once, one piece per request, in scheduling order, when it runs it later) that
+1. writes the K/V of the tokens each request computes this step;
+2. then verifies every token each request reads: all tokens before its `num_computed_tokens` (computed in
+   earlier steps, GPU prefix-cache hits, blocks loaded from the CPU tier and blocks an earlier request of
+   the same step computes alike) must hold exactly the K/V `kv_pattern` expects; a mismatch increments
+   `num_integrity_errors` and raises `IntegrityError` naming the first request (in step order) that read
+   wrong K/V, its positions and GPU blocks.
+Writes before reads is a real forward's order: each layer stores the batch's new K/V, then attends.
+On the host it samples the next token (a function of the prefix, not of the KV) of each request whose
 known tokens are all computed. The compute queue (`ImmediateCompute` by default) runs the work at once;
 `worker_side.cuda_sim.SimCompute` runs it on a simulated GPU's compute stream when the simulator decides,
 so a transfer not fenced against the forward reads or writes KV at the wrong moment and the check fails.
-The work captures everything it needs at launch (block ids, slots, expected values), never the request.
-Per request it keeps the expected K/V of all known tokens (`ModelRequestState`, on the request), grown as
-tokens are appended and dropped by `release` when the request is done. Verification is one gather and one
-comparison per layer and request (whole blocks gathered): O(tokens read), no Python loop over tokens.
+The work captures everything it needs at launch (slots, copies of the expected values), never a request.
+Expected K/V are computed once per token, for all of a step's new tokens at once, and kept per live
+request (`expected_kv.ExpectedKV`, released by `release` when the request is done). Per layer, a piece of
+work gathers and compares bitwise the whole blocks its requests read (a block a row, against the expected
+pages laid out alike) and the tokens of their last, partial blocks, then scatters the tokens computed: no
+Python loop over tokens or blocks, a few list operations per request.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from offload_connector.config import ConfigError, EngineConfig
 from offload_connector.fake_engine import kv_pattern
+from offload_connector.fake_engine.expected_kv import ExpectedKV, TokenRuns
 from offload_connector.fake_engine.request import EngineRequest
 from worker_side.host_pool import mem_available_bytes
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The same memory viewed as integers (int32 where the last dim allows), for bitwise comparison."""
-    if (t.shape[-1] * t.element_size()) % 4 == 0:
-        return t.view(torch.int32)
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    """The same memory viewed as the widest integers the last dim allows, for bitwise comparison."""
+    row_bytes = t.shape[-1] * t.element_size()
+    return t.view(next(dtype for size, dtype in _INTS.items()
+                       if row_bytes % size == 0 and size >= t.element_size()))
+
+
+def _index(ids: list[int]) -> torch.Tensor:
+    """An int64 index tensor (through numpy: three times faster than torch.tensor on a list)."""
+    return torch.from_numpy(np.asarray(ids, dtype=np.int64))
+
+
+def _bytes_differ(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """(2, rows, ...) K and V rows: per row and byte of a row, whether K or V differs there."""
+    return (got.view(torch.uint8) != want.view(torch.uint8)).any(0)
 
 
 def _check_fits(engine: EngineConfig, num_gpu_blocks: int) -> None:
@@ -80,10 +99,26 @@ class ImmediateCompute:
 
 
 @dataclass(slots=True)
-class ModelRequestState:
-    seeds: torch.Tensor  # int64 (capacity,): prefix seed of each known token
-    expected: torch.Tensor  # (num_layers, 2, capacity, num_kv_heads, head_dim)
-    num_known: int = 0  # tokens whose seed and expected K/V are filled
+class _Reader:
+    """One request's reads in a piece of work, for naming it in an IntegrityError."""
+
+    request_id: str
+    num_tokens: int  # tokens read, its first: whole blocks, then a tail of num_tokens % block_size
+    gpu_block_ids: list[int]  # the blocks holding them, in token order
+
+
+@dataclass(slots=True)
+class _Work:
+    """What one piece of work needs, captured at launch. Reads are whole blocks (compared as rows) then each
+    reader's tail tokens; expected values are copies, laid out (num_layers * 2, ...) like `ExpectedKV`."""
+
+    readers: list[_Reader]
+    read_blocks: torch.Tensor  # GPU block ids of the readers' whole blocks, reader by reader
+    want_blocks: torch.Tensor  # (layers * 2, len(read_blocks), block_size * heads * dim)
+    tail_slots: torch.Tensor  # GPU slots of the readers' tail tokens, reader by reader
+    want_tail: torch.Tensor  # (layers * 2, len(tail_slots), heads * dim)
+    write_slots: torch.Tensor  # GPU slots of the tokens computed
+    new_kv: torch.Tensor  # (layers * 2, len(write_slots), heads * dim)
 
 
 class FakeModel:
@@ -101,9 +136,14 @@ class FakeModel:
                 (2, self.num_gpu_blocks, self.block_size, engine.num_kv_heads, engine.head_dim), self.dtype)
             for i in range(engine.num_layers)
         }
-        self._flat = [t.view(2, self.num_gpu_blocks * self.block_size, *t.shape[3:])
-                      for t in self.kv_caches.values()]
-        self._offsets = torch.arange(self.block_size, dtype=torch.int64)
+        token_values = engine.num_kv_heads * engine.head_dim
+        self._blocks = [t.view(2, self.num_gpu_blocks, -1) for t in self.kv_caches.values()]  # a block a row
+        self._flat = [t.view(2, -1, token_values) for t in self.kv_caches.values()]  # a token a row
+        self.expected = ExpectedKV(self.shape, self.block_size, self.dtype, rank)
+        # Work run at once gains nothing from being cut: one piece per step. A queue that runs it later (a
+        # simulated GPU stream) gets one piece per request, like a real forward's many kernels, so the
+        # simulator can interleave copies between them.
+        self.one_launch_per_step = isinstance(self.compute, ImmediateCompute)
         self.num_integrity_errors = 0
         self.num_verified_tokens = 0
 
@@ -111,90 +151,103 @@ class FakeModel:
     def bytes_per_block(self) -> int:
         return sum(t[:, 0].numel() * t.element_size() for t in self.kv_caches.values())
 
-    # ------------------------------------------------------------------ expected contents
-    def _sync(self, req: EngineRequest) -> ModelRequestState:
-        if req.model_state is None:
-            req.model_state = {}
-        st = req.model_state.get(self.rank)
-        if st is None:
-            cap = req.num_prompt_tokens + req.max_tokens
-            st = req.model_state[self.rank] = ModelRequestState(
-                torch.zeros(cap, dtype=torch.int64),
-                torch.empty(self.shape[0], 2, cap, *self.shape[2:], dtype=self.dtype))
-        n, end = st.num_known, req.num_tokens
-        if n == end:
-            return st
-        if n == 0:
-            st.seeds[:end] = kv_pattern.prefix_seeds(req.all_token_ids)
-        else:
-            seed = int(st.seeds[n - 1])
-            for p in range(n, end):
-                seed = kv_pattern.extend_seed(seed, req.all_token_ids[p], p)
-                st.seeds[p] = seed
-        positions = torch.arange(n, end, dtype=torch.int64)
-        st.expected[:, :, n:end] = kv_pattern.kv_values(st.seeds[n:end], positions, self.shape, self.dtype, self.rank)
-        st.num_known = end
-        return st
-
     def release(self, req: EngineRequest) -> None:
-        req.model_state = None
+        """The request is done: drop the expected K/V kept for it."""
+        self.expected.release(req)
 
-    def _block_ids(self, gpu_block_ids: list[int], first_token: int, end_token: int) -> torch.Tensor:
-        """The request's GPU block ids holding tokens [first_token, end_token), as a tensor."""
-        first, last = first_token // self.block_size, -(-end_token // self.block_size)
-        if last > len(gpu_block_ids):
-            raise RuntimeError(f"fake model: {end_token} tokens need {last} blocks, the request has "
-                               f"{len(gpu_block_ids)} (engine bug)")
-        return torch.tensor(gpu_block_ids[first:last], dtype=torch.int64)
-
-    def _slots(self, gpu_block_ids: list[int], start: int, end: int) -> torch.Tensor:
-        """Flat token slots (block id * block_size + offset) of tokens [start, end)."""
-        ids = self._block_ids(gpu_block_ids, start, end)
-        first = (start // self.block_size) * self.block_size
-        slots = (ids.unsqueeze(1) * self.block_size + self._offsets).flatten()
-        return slots[start - first:end - first]
+    def check_integrity(self, live: Iterable[EngineRequest]) -> None:
+        self.expected.check_integrity(live)
 
     # ------------------------------------------------------------------ one step
     def forward(self, chunks: list[tuple[EngineRequest, int]]) -> dict[str, int]:
-        """Launch one step: for each (request, num_new_tokens) verify its reads and write its new K/V.
+        """Launch one step: for each (request, num_new_tokens) write its new K/V and verify its reads.
 
         Returns the sampled token of each request whose known tokens are all computed after this step.
         Requests' `num_computed_tokens` are the counts before this step (the engine advances them).
         """
         sampled: dict[str, int] = {}
-        for req, num_new in chunks:
-            st = self._sync(req)
-            start = req.num_computed_tokens
-            end = start + num_new
-            gpu_block_ids = list(req.gpu_block_ids)
-            read_ids = self._block_ids(gpu_block_ids, 0, start) if start else None
-            self.compute.launch(partial(self._run, req.request_id, gpu_block_ids, read_ids, st.expected, start,
-                                        self._slots(gpu_block_ids, start, end), st.expected[:, :, start:end]))
-            if end == req.num_tokens:
-                sampled[req.request_id] = kv_pattern.next_token(int(st.seeds[end - 1]), end - 1)
+        if not chunks:
+            return sampled
+        self.expected.sync(req for req, _ in chunks)
+        groups = [chunks] if self.one_launch_per_step else [[chunk] for chunk in chunks]
+        for group in groups:
+            self._launch(group, sampled)
         return sampled
 
-    def _run(self, request_id: str, gpu_block_ids: list[int], read_ids: torch.Tensor | None,
-             expected: torch.Tensor, num_read: int, new_slots: torch.Tensor, new_kv: torch.Tensor) -> None:
-        """The work of one request's step on the compute queue: check what it reads, write what it computes."""
-        if read_ids is not None:
-            self._verify(request_id, gpu_block_ids, read_ids, expected, num_read)
-        for layer, flat in enumerate(self._flat):
-            flat.index_copy_(1, new_slots, new_kv[layer])
+    def _launch(self, chunks: list[tuple[EngineRequest, int]], sampled: dict[str, int]) -> None:
+        """One piece of work for these requests: slots and expected values captured now, run by the queue."""
+        bs = self.block_size
+        read_blocks: list[int] = []
+        read_pages: list[int] = []
+        tails, writes = TokenRuns(bs, 2), TokenRuns(bs, 2)
+        readers: list[_Reader] = []
+        for req, num_new in chunks:
+            st = self.expected.state(req)
+            start = req.num_computed_tokens
+            end = start + num_new
+            gpu_block_ids = req.gpu_block_ids
+            if -(-end // bs) > len(gpu_block_ids):
+                raise RuntimeError(f"fake model: request {req.request_id} computes up to token {end} but holds "
+                                   f"{len(gpu_block_ids)} blocks of {bs} tokens (engine bug)")
+            if start:
+                num_full = start // bs
+                read_blocks.extend(gpu_block_ids[:num_full])
+                read_pages.extend(st.pages[:num_full])
+                tails.add(num_full * bs, start, gpu_block_ids, st.pages)
+                readers.append(_Reader(req.request_id, start, gpu_block_ids[:-(-start // bs)]))
+            writes.add(start, end, gpu_block_ids, st.pages)
+            if end == req.num_tokens:
+                sampled[req.request_id] = kv_pattern.next_token(st.last_seed, end - 1)
+        tail_slots, tail_pages = tails.slots()
+        write_slots, write_pages = writes.slots()
+        gather = self.expected
+        work = _Work(readers, _index(read_blocks), gather.gather_pages(_index(read_pages)),
+                     tail_slots, gather.gather_tokens(tail_pages),
+                     write_slots, gather.gather_tokens(write_pages))
+        self.compute.launch(partial(self._run, work))
 
-    def _verify(self, request_id: str, gpu_block_ids: list[int], ids: torch.Tensor, expected: torch.Tensor,
-                num: int) -> None:
-        """Check the K/V of the request's first `num` tokens, gathered block by block."""
-        self.num_verified_tokens += num
-        for layer, cache in enumerate(self.kv_caches.values()):
-            got = cache.index_select(1, ids).flatten(1, 2)[:, :num]
-            want = expected[layer, :, :num]
-            if torch.equal(_bits(got), _bits(want)):  # bitwise: exact, and far faster than float compare
+    def _run(self, work: _Work) -> None:
+        """A piece of work on the compute queue: write what its requests compute, then check their reads."""
+        for layer, flat in enumerate(self._flat):
+            flat.index_copy_(1, work.write_slots, work.new_kv[2 * layer:2 * layer + 2])
+        if not work.readers:
+            return
+        self.num_verified_tokens += sum(r.num_tokens for r in work.readers)
+        for layer, (blocks, flat) in enumerate(zip(self._blocks, self._flat, strict=True)):
+            got_blocks = blocks.index_select(1, work.read_blocks)
+            got_tail = flat.index_select(1, work.tail_slots)
+            want_blocks = work.want_blocks[2 * layer:2 * layer + 2]
+            want_tail = work.want_tail[2 * layer:2 * layer + 2]
+            # bitwise: exact, and far faster than a float compare
+            if (torch.equal(_bits(got_blocks), _bits(want_blocks))
+                    and torch.equal(_bits(got_tail), _bits(want_tail))):
                 continue
-            bad = (got != want).flatten(2).any(2).any(0).nonzero().flatten().tolist()
-            bad_blocks = sorted({gpu_block_ids[p // self.block_size] for p in bad})
             self.num_integrity_errors += 1
-            raise IntegrityError(
-                f"request {request_id}: layer {layer} holds wrong K/V at {len(bad)} of {num} token "
-                f"positions read (first position {bad[0]}), GPU blocks {bad_blocks[:16]}"
-                f"{' ...' if len(bad_blocks) > 16 else ''}")
+            token_bytes = flat.shape[2] * flat.element_size()
+            raise self._integrity_error(work.readers, layer,
+                                        _bytes_differ(got_blocks, want_blocks).view(-1, token_bytes).any(1),
+                                        _bytes_differ(got_tail, want_tail).any(1))
+
+    def _integrity_error(self, readers: list[_Reader], layer: int, bad_block_tokens: torch.Tensor,
+                         bad_tail: torch.Tensor) -> IntegrityError:
+        """Name the first reader (in step order) that read wrong K/V: its positions and GPU blocks.
+
+        `bad_block_tokens` flags the tokens of the whole blocks read, `bad_tail` the tail tokens (reader by
+        reader, both).
+        """
+        in_blocks = in_tail = 0
+        for reader in readers:
+            num_full = reader.num_tokens // self.block_size * self.block_size
+            num_tail = reader.num_tokens - num_full
+            bad = torch.cat([bad_block_tokens[in_blocks:in_blocks + num_full],
+                             bad_tail[in_tail:in_tail + num_tail]])
+            in_blocks, in_tail = in_blocks + num_full, in_tail + num_tail
+            if not bad.any():
+                continue
+            positions = bad.nonzero().flatten().tolist()
+            blocks = sorted({reader.gpu_block_ids[p // self.block_size] for p in positions})
+            return IntegrityError(
+                f"request {reader.request_id}: layer {layer} holds wrong K/V at {len(positions)} of "
+                f"{reader.num_tokens} token positions read (first position {positions[0]}), GPU blocks "
+                f"{blocks[:16]}{' ...' if len(blocks) > 16 else ''}")
+        raise RuntimeError(f"fake model: layer {layer} differs but no reader's tokens do (our bug)")

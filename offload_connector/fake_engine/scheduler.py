@@ -49,7 +49,8 @@ class SchedulerOutput:
 
 class EngineScheduler:
     def __init__(self, engine: EngineConfig, gpu: GpuCache, connector: OffloadScheduler | None,
-                 stats: EngineStats, on_done: Callable[[EngineRequest], None]) -> None:
+                 stats: EngineStats, on_done: Callable[[EngineRequest], None],
+                 keep_samples: bool = True) -> None:
         self.block_size = engine.block_size
         self.max_num_batched_tokens = engine.max_num_batched_tokens
         self.max_num_seqs = engine.max_num_seqs
@@ -57,6 +58,7 @@ class EngineScheduler:
         self.connector = connector
         self.stats = stats
         self.on_done = on_done
+        self.keep_samples = keep_samples  # one HitSample per admitted request in stats.samples (plots)
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
         self.requests: dict[str, EngineRequest] = {}  # every unfinished request
@@ -251,8 +253,9 @@ class EngineScheduler:
             s.prompt_tokens += req.num_prompt_tokens
             s.gpu_hit_tokens += req.num_gpu_hit_tokens
             s.cpu_hit_tokens += req.num_cpu_hit_tokens
-            s.samples.append(HitSample(self.step_index, req.num_prompt_tokens, req.num_gpu_hit_tokens,
-                                       req.num_cpu_hit_tokens))
+            if self.keep_samples:
+                s.samples.append(HitSample(self.step_index, req.num_prompt_tokens, req.num_gpu_hit_tokens,
+                                           req.num_cpu_hit_tokens))
 
     # ------------------------------------------------------------------ results of the step
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[EngineRequest]:
