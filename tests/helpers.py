@@ -50,3 +50,17 @@ def step_done(req_id: str, ids: list[int], num_computed: int, replace: bool = Tr
 
 def report(**kw) -> WorkerReport:
     return WorkerReport(**kw)
+
+
+def finish(sched: OffloadScheduler, gpu: BlockPool, req: FakeRequest, ids: list[int]) -> None:
+    """The engine's side of a finish: tell the connector, then drop the request's own references."""
+    assert sched.request_finished(req) == (False, None)
+    gpu.free([gpu.blocks[i] for i in reversed(ids)])
+
+
+def assert_idle(sched: OffloadScheduler, gpu: BlockPool) -> None:
+    """Nothing in flight, every invariant holds, and no block of either tier is referenced."""
+    assert sched.is_idle()
+    sched.check_integrity()
+    gpu.check_integrity()
+    assert sched.cpu_pool.num_held_blocks() == 0 and gpu.num_held_blocks() == 0

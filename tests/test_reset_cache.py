@@ -6,24 +6,12 @@ may be lost (a reference leaked or freed twice). One story per test, on the sche
 """
 
 import pytest
-from helpers import FakeRequest, admit, make_scheduler, report, step_done
+from helpers import FakeRequest, admit, assert_idle, finish, make_scheduler, report, step_done
 
 from offload_connector.hashing import with_group_id
 from scheduler_side import SchedulerError
 
 BS = 4
-
-
-def finish(sched, gpu, req, ids):
-    assert sched.request_finished(req) == (False, None)
-    gpu.free([gpu.blocks[i] for i in reversed(ids)])
-
-
-def assert_idle(sched, gpu):
-    assert sched.is_idle()
-    sched.check_integrity()
-    gpu.check_integrity()
-    assert sched.cpu_pool.num_held_blocks() == 0 and gpu.num_held_blocks() == 0
 
 
 def store_and_finish(sched, gpu, req):

@@ -3,7 +3,7 @@
 import logging
 
 import pytest
-from helpers import FakeRequest, admit, make_scheduler, report, step_done
+from helpers import FakeRequest, admit, assert_idle, finish, make_scheduler, report, step_done
 
 from offload_connector.hashing import with_group_id
 from scheduler_side import SchedulerError
@@ -13,19 +13,6 @@ BS = 16
 
 def free_ids(pool):
     return [b.block_id for b in pool.free_queue]
-
-
-def finish(sched, gpu, req, ids):
-    """The engine's side of a finish: tell the connector, then drop the request's own references."""
-    assert sched.request_finished(req) == (False, None)
-    gpu.free([gpu.blocks[i] for i in reversed(ids)])
-
-
-def assert_idle(sched, gpu):
-    assert sched.is_idle()
-    sched.check_integrity()
-    gpu.check_integrity()
-    assert sched.cpu_pool.num_held_blocks() == 0 and gpu.num_held_blocks() == 0
 
 
 def test_seed_004_story():
