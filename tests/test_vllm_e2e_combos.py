@@ -75,6 +75,16 @@ def llvmlite_hidden() -> Iterator[None]:
             sys.modules["llvmlite.binding.ffi"] = module
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_llvmlite_left_behind() -> Iterator[None]:
+    """After this module, take numba's `llvmlite.binding.ffi` out of `sys.modules` for good (see
+    `llvmlite_hidden`): every engine started later in this process, by other test files, scans it too."""
+    was_loaded = "llvmlite.binding.ffi" in sys.modules
+    yield
+    if not was_loaded:
+        sys.modules.pop("llvmlite.binding.ffi", None)
+
+
 def tiny_drafter(directory: Path) -> Path:
     """An EAGLE drafter for tests/tiny_llama: its config with one layer (dummy weights, like the target)."""
     config = json.loads((Path(MODEL_DIR) / "config.json").read_text())
