@@ -1,0 +1,344 @@
+"""Mutation testing of scheduler_side/ and worker_side/ with mutmut (docs/mutation.md). Not part of CI.
+
+    python scripts/mutation.py                   # every target, fresh: worker, cudasim, scheduler
+    python scripts/mutation.py worker            # one target (worker | cudasim | scheduler), fresh
+    python scripts/mutation.py worker --again    # after adding tests: rerun only what was not killed
+    python scripts/mutation.py worker --report   # print the last run's score and survivors again
+
+A *target* is a set of files to mutate and the fast tests that may kill them; mutmut then runs, for each
+mutant, only the selected tests that call the mutated function. The targets:
+- `worker`: worker_side/ on the CPU path (the worker, the CPU backend, copy plans, layouts, the host pool);
+- `cudasim`: the CUDA backend and its argument ring, exercised on the simulated device (`-m cudasim`);
+- `scheduler`: all of scheduler_side/.
+Never mutated: worker_side/cuda_runtime.py (the real CUDA runtime: no test reaches it without a GPU) and the
+test doubles (cuda_sim.py, sim_streams.py, faults.py).
+
+mutmut works in ./mutants/; each target's results are kept in ./mutants-TARGET/ between runs (renamed to
+mutants/ while it runs; `mutmut show NAME` needs that name too). A run ends with the score:
+killed / (mutants - equivalent). Killed counts mutants whose tests failed, timed out or crashed. A surviving
+mutant is *equivalent* when it changes no behaviour: either only the text of an exception or log message
+(recognised here from the two functions' syntax trees), or a mutant listed with its reason in
+scripts/mutation_equivalents.toml (matched by function and mutated line, so it survives renumbering).
+Anything else is printed with its diff: kill it with a test, or explain it in that file. `--again` keeps
+the verdicts of killed mutants, so quote scores from a fresh run or from `--again` on unchanged sources.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+EQUIVALENTS = ROOT / "scripts" / "mutation_equivalents.toml"
+FAST = "not vllm and not gpu and not soak"
+
+
+@dataclass(frozen=True)
+class Target:
+    mutate: tuple[str, ...]  # glob patterns of files to mutate
+    tests: tuple[str, ...]  # glob patterns of test files to select from
+    description: str
+
+
+TARGETS = {
+    "worker": Target(
+        mutate=("worker_side/worker.py", "worker_side/cpu_backend.py", "worker_side/copy_plan.py",
+                "worker_side/block_layout.py", "worker_side/host_pool.py", "worker_side/host_memory.py",
+                "worker_side/backend_select.py", "worker_side/backend.py", "worker_side/errors.py"),
+        tests=("tests/test_worker_*.py", "tests/test_integrity.py", "tests/test_fake_engine.py",
+               "tests/test_fake_engine_scenarios.py", "tests/test_mutation_kills_worker*.py"),
+        description="worker_side/ on the CPU path"),
+    "cudasim": Target(
+        mutate=("worker_side/cuda_backend.py", "worker_side/arg_ring.py", "worker_side/cuda_api.py"),
+        tests=("tests/test_cudasim.py", "tests/test_worker_cuda.py", "tests/test_cuda_kernel_source.py",
+               "tests/test_mutation_kills_cuda*.py"),
+        description="worker_side/ CUDA backend on the simulated device"),
+    "scheduler": Target(
+        mutate=("scheduler_side/*",),
+        tests=("tests/test_block_pool.py", "tests/test_arc_queue.py", "tests/test_lazy_policy.py",
+               "tests/test_scheduler_*.py", "tests/test_integrity.py", "tests/test_fake_engine.py",
+               "tests/test_fake_engine_scenarios.py", "tests/test_mutation_kills_scheduler*.py"),
+        description="scheduler_side/"),
+}
+
+KILLED = {"killed", "timeout", "segfault", "caught by type check"}
+
+
+# ---- running mutmut -------------------------------------------------------------------------------------
+def selected_tests(target: Target) -> list[str]:
+    files = sorted({f for pattern in target.tests for f in glob.glob(pattern, root_dir=ROOT)})
+    if not files:
+        raise SystemExit(f"no test files match {target.tests}")
+    return files
+
+
+def run_mutmut(name: str, mutants: list[str]) -> int:
+    """In this process: mutmut's own configuration (pyproject.toml [tool.mutmut]) with the target's files and
+    tests, then `mutmut run` (of `mutants` only, when given). mutmut reads one configuration per project;
+    the targets differ only here."""
+    import mutmut.configuration as mutmut_config
+
+    target = TARGETS[name]
+    cfg = mutmut_config._load_config()
+    cfg.only_mutate = list(target.mutate)
+    cfg.pytest_add_cli_args_test_selection = [*selected_tests(target), "-m", FAST]
+    mutmut_config._config = cfg
+    from mutmut.__main__ import cli  # reads the configuration at import
+
+    try:
+        cli.main(["run", *mutants], standalone_mode=False)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
+@contextlib.contextmanager
+def read_only_view(name: str) -> Iterator[None]:
+    """Work in a scratch folder whose mutants/ is a link to mutants-NAME/ (another target may be running)."""
+    kept = ROOT / f"mutants-{name}"
+    if not kept.exists():
+        raise SystemExit(f"no results for {name} ({kept} is missing): run it first")
+    with tempfile.TemporaryDirectory() as scratch:
+        os.symlink(kept, Path(scratch) / "mutants")
+        os.chdir(scratch)
+        try:
+            yield
+        finally:
+            os.chdir(ROOT)
+
+
+@contextlib.contextmanager
+def workspace(name: str, fresh: bool) -> Iterator[None]:
+    """mutants-NAME/ renamed to mutants/ (where mutmut works) for the duration."""
+    work, kept = ROOT / "mutants", ROOT / f"mutants-{name}"
+    if work.exists():
+        raise SystemExit(f"{work} exists: another run is in progress, or one was interrupted (delete it)")
+    if fresh:
+        shutil.rmtree(kept, ignore_errors=True)
+    if kept.exists():
+        kept.rename(work)
+    try:
+        yield
+    finally:
+        if work.exists():
+            work.rename(kept)
+
+
+# ---- reading results ------------------------------------------------------------------------------------
+@dataclass
+class Summary:
+    total: int = 0
+    killed: int = 0
+    equivalent: list[tuple[str, str, str]] = field(default_factory=list)  # (mutant, diff, why)
+    survived: list[tuple[str, str, str]] = field(default_factory=list)  # (mutant, diff, status)
+
+    @property
+    def score(self) -> float:
+        counted = self.total - len(self.equivalent)
+        return 100.0 * self.killed / counted if counted else 100.0
+
+
+def mutant_functions(mutant: str, path: str) -> tuple[str, str]:
+    """The original and the mutated function's source."""
+    from mutmut.mutation.diff_apply import (
+        read_functions_from_index,
+        read_mutant_function,
+        read_mutants_module,
+        read_original_function,
+    )
+
+    functions = read_functions_from_index(mutant, path)
+    if functions is None:
+        module = read_mutants_module(path)
+        functions = (read_original_function(module, mutant), read_mutant_function(module, mutant))
+    import libcst as cst
+
+    return tuple(cst.Module([f]).code for f in functions)  # type: ignore[return-value]
+
+
+def _parse(source: str) -> ast.AST:
+    import textwrap
+
+    return ast.parse(textwrap.dedent(source))
+
+
+Path_ = tuple[tuple[ast.AST, str], ...]  # (node, field) from the root down to where the trees differ
+
+
+def _differences(a: ast.AST, b: ast.AST, path: Path_ = ()) -> list[Path_]:
+    """The paths (in `a`) to the smallest places where the syntax trees `a` and `b` differ."""
+    if type(a) is not type(b):
+        return [path]
+    out: list[Path_] = []
+    for name, va in ast.iter_fields(a):
+        vb, here = getattr(b, name, None), path + ((a, name),)
+        if isinstance(va, ast.AST) and isinstance(vb, ast.AST):
+            out += _differences(va, vb, here)
+        elif isinstance(va, list) and isinstance(vb, list) and len(va) == len(vb):
+            for x, y in zip(va, vb, strict=True):
+                if isinstance(x, ast.AST) and isinstance(y, ast.AST):
+                    out += _differences(x, y, here)
+                elif x != y:
+                    out.append(here)
+        elif va != vb:
+            out.append(here)
+    return out
+
+
+def _is_message_call(call: ast.AST, parent: ast.AST) -> bool:
+    """An exception being raised, or a call on a logger."""
+    if not isinstance(call, ast.Call):
+        return False
+    if isinstance(parent, ast.Raise) and parent.exc is call:
+        return True
+    func = call.func
+    return (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+            and func.value.id in ("logger", "logging", "log"))
+
+
+def only_message_text(orig: str, mutant: str) -> bool:
+    """True when the mutant changes only the arguments of a raised exception or of a logger call: the
+    message a person reads, never what the code does."""
+    diffs = _differences(_parse(orig), _parse(mutant))
+    return bool(diffs) and all(
+        any(field in ("args", "keywords") and _is_message_call(node, path[i - 1][0])
+            for i, (node, field) in enumerate(path) if i > 0)
+        for path in diffs)
+
+
+def changed_lines(diff: str) -> str:
+    return "\n".join(line[1:].strip() for line in diff.splitlines()
+                     if line.startswith("+") and not line.startswith("+++"))
+
+
+def load_equivalents() -> list[dict]:
+    if not EQUIVALENTS.exists():
+        return []
+    return tomllib.loads(EQUIVALENTS.read_text())["equivalent"]
+
+
+def listed_equivalent(mutant: str, diff: str, equivalents: list[dict]) -> str | None:
+    function = mutant.rsplit("__mutmut_", 1)[0]
+    added = changed_lines(diff)
+    for e in equivalents:
+        if e["function"] == function and e["mutant"].strip() == added:
+            return e["why"]
+    return None
+
+
+def summarize(name: str) -> Summary:
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+    from mutmut.stats import status_by_exit_code
+
+    target, summary, equivalents = TARGETS[name], Summary(), load_equivalents()
+    for pattern in target.mutate:
+        for path in sorted(glob.glob(pattern, root_dir=ROOT)):
+            meta = Path("mutants") / (path + ".meta")
+            if not path.endswith(".py") or not meta.exists():
+                continue
+            for mutant, code in json.loads(meta.read_text())["exit_code_by_key"].items():
+                summary.total += 1
+                status = status_by_exit_code[code]
+                if status in KILLED:
+                    summary.killed += 1
+                    continue
+                diff = get_diff_for_mutant(mutant, path=path)
+                why = listed_equivalent(mutant, diff, equivalents)
+                if why is None and only_message_text(*mutant_functions(mutant, path)):
+                    why = "message text"
+                if why is not None:
+                    summary.equivalent.append((mutant, diff, why))
+                else:
+                    summary.survived.append((mutant, diff, status))
+    return summary
+
+
+def report(name: str, show_equivalent: bool) -> Summary:
+    s = summarize(name)
+    print(f"\n== {name}: {TARGETS[name].description}")
+    if show_equivalent:
+        for mutant, diff, why in s.equivalent:
+            print(f"\n-- equivalent ({why}): {mutant}\n{diff}")
+    for mutant, diff, status in s.survived:
+        print(f"\n-- {status}: {mutant}\n{diff}")
+    message = sum(why == "message text" for _, _, why in s.equivalent)
+    print(f"\n{name}: {s.killed} killed of {s.total} mutants; {len(s.equivalent)} equivalent ({message} message "
+          f"text, {len(s.equivalent) - message} listed in {EQUIVALENTS.relative_to(ROOT)}); "
+          f"{len(s.survived)} not killed; score {s.killed} / {s.total - len(s.equivalent)} = {s.score:.1f}%")
+    return s
+
+
+def not_killed(name: str) -> list[str]:
+    from mutmut.stats import status_by_exit_code
+
+    out = []
+    for pattern in TARGETS[name].mutate:
+        for path in sorted(glob.glob(pattern, root_dir=ROOT)):
+            meta = Path("mutants") / (path + ".meta")
+            if meta.exists():
+                codes = json.loads(meta.read_text())["exit_code_by_key"]
+                out += [m for m, code in codes.items() if status_by_exit_code[code] not in KILLED]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("targets", nargs="*", metavar="TARGET", help=f"any of {', '.join(TARGETS)} (default: all)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--again", action="store_true", help="rerun only the mutants the last run did not kill")
+    mode.add_argument("--report", action="store_true", help="only print the last run's score and survivors")
+    parser.add_argument("--show-equivalent", action="store_true", help="also print the equivalent mutants")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--mutants", nargs="*", default=[], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.chdir(ROOT)
+    if args.child:
+        return run_mutmut(args.child, args.mutants)
+    targets = args.targets or ["worker", "cudasim", "scheduler"]
+    unknown = [t for t in targets if t not in TARGETS]
+    if unknown:
+        parser.error(f"unknown target {unknown}; allowed: {', '.join(TARGETS)}")
+    if args.report:
+        for name in targets:
+            with read_only_view(name):
+                report(name, args.show_equivalent)
+        return 0
+    lines = []
+    for name in targets:
+        with workspace(name, fresh=not args.again):
+            again = not_killed(name) if args.again else []
+            if args.again and not again:
+                print(f"{name}: nothing to rerun (no previous run, or every mutant was killed)")
+                continue
+            start = time.monotonic()
+            # a fresh interpreter per target: mutmut keeps its configuration and state in globals
+            rc = subprocess.call([sys.executable, __file__, "--child", name,
+                                  *(["--mutants", *again] if again else [])])
+            minutes = (time.monotonic() - start) / 60
+            if rc != 0:
+                print(f"mutmut run for {name} failed (exit {rc})")
+                return rc
+            s = report(name, args.show_equivalent)
+        lines.append(f"{name}: {s.killed} / {s.total - len(s.equivalent)} = {s.score:.1f}% "
+                     f"({len(s.survived)} not killed, {len(s.equivalent)} equivalent) in {minutes:.0f} min")
+    if lines:
+        print("\n" + "\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
