@@ -9,7 +9,8 @@
   `OffloadConnector`) is left alone with a warning: set `kv_connector_module_path` to pick ours.
 - It wraps `EngineArgs.create_engine_config`, which every vLLM entry point (`LLM`, the OpenAI server,
   `vllm serve`) calls to build its `VllmConfig`, in the process the user started, so that our config is
-  checked as soon as vLLM's config exists: `check_engine_config` checks the installed vLLM's version
+  checked as soon as vLLM's config exists (ours alone or as a child of `MultiConnector`):
+  `check_engine_config` checks the installed vLLM's version
   (`UnsupportedSetupError` outside the supported range), parses `kv_connector_extra_config` (and
   the YAML file it names) and raises our `ConfigError` there, before the engine core, the workers, the
   model or any cache exist. vLLM loads plugins before that call (`EngineArgs.__post_init__`). The only
@@ -107,15 +108,31 @@ def _config_error_in(err: ValueError) -> ConfigError | None:
 
 
 def check_engine_config(vllm_config: Any) -> None:
-    """If `vllm_config` selects our connector: raise `UnsupportedSetupError` when the installed vLLM is
-    outside the supported range, `ConfigError` when our config is bad. Parses only."""
+    """If `vllm_config` selects our connector, alone or as a child of vLLM's `MultiConnector`: raise
+    `UnsupportedSetupError` when the installed vLLM is outside the supported range, `ConfigError` when our
+    config is bad. Parses only."""
     kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
     if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
         return
+    for connector_cls, config in _connectors_of(vllm_config):
+        ours = sys.modules.get(MODULE_PATH)  # imported by vLLM's lookup if the class is ours or a subclass
+        if ours is not None and isinstance(connector_cls, type) and issubclass(connector_cls, ours.OffloadConnector):
+            check_vllm_version()
+            resolve_config(config.kv_transfer_config.kv_connector_extra_config)
+
+
+def _connectors_of(vllm_config: Any) -> list[tuple[Any, Any]]:
+    """(class, the `VllmConfig` it will be created with) for the connector `vllm_config` selects or, when that
+    is a `MultiConnector`, for each of its children, found the way `MultiConnector` itself finds them. A
+    `connectors` list that `MultiConnector` cannot read is left for it to refuse, with its own error."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    connector_cls = KVConnectorFactory.get_connector_class(kv_transfer_config)  # vLLM has looked it up
-    ours = sys.modules.get(MODULE_PATH)  # imported by that lookup if the class is ours or a subclass
-    if ours is not None and isinstance(connector_cls, type) and issubclass(connector_cls, ours.OffloadConnector):
-        check_vllm_version()
-        resolve_config(kv_transfer_config.kv_connector_extra_config)
+    connector_cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
+    children = getattr(connector_cls, "_get_connector_classes_and_configs", None)  # MultiConnector's
+    if children is None:
+        return [(connector_cls, vllm_config)]
+    try:
+        return list(children(vllm_config))
+    except Exception as err:  # noqa: BLE001 - vLLM refuses it when it creates the MultiConnector
+        logger.debug("MultiConnector children not checked early: %s", err)
+        return []

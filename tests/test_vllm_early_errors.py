@@ -72,6 +72,32 @@ def test_create_engine_config_passes_a_good_offload_config() -> None:
     assert vllm_config.kv_transfer_config.kv_connector_extra_config == extra
 
 
+def multi(ours: KVTransferConfig) -> KVTransferConfig:
+    """Ours second inside vLLM's MultiConnector, beside vLLM's ExampleConnector."""
+    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"shared_storage_path": "kv"}}
+    child = {"kv_connector": ours.kv_connector, "kv_role": ours.kv_role,
+             "kv_connector_extra_config": ours.kv_connector_extra_config}
+    if ours.kv_connector_module_path:
+        child["kv_connector_module_path"] = ours.kv_connector_module_path
+    return KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
+                            kv_connector_extra_config={"connectors": [example, child]})
+
+
+@pytest.mark.parametrize("short_name", [False, True])
+def test_a_bad_offload_config_inside_a_multiconnector_is_refused_as_early(short_name: bool) -> None:
+    args = EngineArgs(**ENGINE_KWARGS, kv_transfer_config=multi(offload({"store_polcy": "lazy"}, short_name)))
+    with pytest.raises(ConfigError) as err:
+        args.create_engine_config()
+    assert err.value.key == "store_polcy"
+
+
+def test_a_good_offload_config_inside_a_multiconnector_passes() -> None:
+    extra = {"config_file": "offload.yaml", "transfer": {"num_streams": 3}}
+    vllm_config = EngineArgs(**ENGINE_KWARGS, kv_transfer_config=multi(offload(extra))).create_engine_config()
+    assert vllm_config.kv_transfer_config.kv_connector == "MultiConnector"
+
+
 def test_llm_fails_before_the_engine_core_is_built(monkeypatch) -> None:
     from vllm import LLM
     from vllm.v1.engine.core import EngineCore
