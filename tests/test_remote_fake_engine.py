@@ -1,0 +1,86 @@
+"""The remote tier end to end on fake engines sharing one real redis-server.
+
+Engine A computes some prefixes (its stores are written to the server); engine B, with an empty CPU tier,
+then sees each prefix once: every CPU hit B gets must come from the server (fetched into its CPU tier,
+then loaded). The fake model verifies every block each request reads, so a wrong fetched byte is an
+integrity error; outputs must equal an engine's without any connector.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from redis_servers import redis_server  # noqa: F401 - fixture
+
+from offload_connector.fake_engine import FakeEngine
+from offload_connector.fake_engine.workload import Workload, run_workload, small_config
+
+
+def prefixes(seed: int, n: int, length: int = 24) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000) for _ in range(length)] for _ in range(n)]
+
+
+def one_per_prefix(tag: str, shared: list[list[int]], seed: int) -> Workload:
+    """One request per prefix with its own suffix: no request of this workload hits another's blocks."""
+    rng = random.Random(seed)
+    return Workload([(f"{tag}{i}", p + [rng.randrange(1000) for _ in range(5)], 4) for i, p in enumerate(shared)])
+
+
+def remote_config(url: str, tp: int = 1, **remote):
+    return small_config(num_gpu_blocks=32, num_cpu_blocks=48,
+                        remote={"url": url, "timeout_ms": 5000, "namespace": "t", **remote})
+
+
+def reference_outputs(wl: Workload) -> dict[str, list[int]]:
+    with FakeEngine(small_config(num_gpu_blocks=32), connector=False) as engine:
+        run_workload(engine, wl)
+        return engine.outputs
+
+
+def clean(engine: FakeEngine) -> None:
+    assert engine.stats.integrity_errors == 0 and engine.stats.leaked_blocks == 0
+    assert engine.stats.verified_tokens > 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_second_engine_gets_remote_hits_on_the_first_ones_prefixes(redis_server, tp) -> None:  # noqa: F811
+    shared = prefixes(1, 6)
+    wl_a, wl_b = one_per_prefix("a", shared, 2), one_per_prefix("b", shared, 3)
+    # 1. engine A computes the prefixes; its stores are written to the server
+    with FakeEngine(remote_config(redis_server.url), tp_size=tp) as a:
+        run_workload(a, wl_a)
+        clean(a)
+        written = sum(w.remote.counters.written_blocks for w in a.workers)
+        assert written > 0 and a.stats.cpu_hit_tokens == 0
+        assert int(redis_server.cli("DBSIZE")) == written  # one key per block per rank
+    # 2. engine B: an empty CPU tier, each prefix once; its only hits come from the server
+    with FakeEngine(remote_config(redis_server.url), tp_size=tp) as b:
+        run_workload(b, wl_b)
+        clean(b)
+        lookups, fetched = b.connector.remote.counters, sum(w.remote.counters.fetched_blocks for w in b.workers)
+        assert lookups.lookup_hit_blocks > 0 and fetched == tp * lookups.lookup_hit_blocks
+        # every prefix block (6 of 4 tokens, 6 requests) is a hit; B computed none of them, so the CPU hits
+        # came from the server (a request preempted after its load may hit its own loaded blocks on the GPU)
+        assert b.stats.gpu_hit_tokens + b.stats.cpu_hit_tokens == 4 * 6 * 6 and b.stats.cpu_hit_tokens >= 4 * 6 * 5
+        assert all(w.remote.counters.corrupt_blocks == 0 and w.remote.counters.errors == 0 for w in b.workers)
+        outputs = b.outputs
+    assert outputs == reference_outputs(wl_b)
+
+
+def test_different_models_never_share_blocks(redis_server) -> None:  # noqa: F811
+    shared = prefixes(4, 4)
+    with FakeEngine(remote_config(redis_server.url)) as a:
+        run_workload(a, one_per_prefix("a", shared, 5))
+    other = remote_config(redis_server.url)
+    other.engine.head_dim = 8  # another layout: other keys
+    with FakeEngine(other) as b:
+        run_workload(b, one_per_prefix("b", shared, 6))
+        clean(b)
+        assert b.stats.cpu_hit_tokens == 0 and b.connector.remote.counters.lookup_hit_blocks == 0
+
+
+def test_remote_off_by_default_connects_nowhere() -> None:
+    with FakeEngine(small_config()) as engine:
+        assert engine.connector.remote is None and engine.worker.remote is None
