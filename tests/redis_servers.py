@@ -51,9 +51,10 @@ def free_port() -> int:
 
 class RedisServer:
     def __init__(self, workdir: Path, maxmemory: str = "64mb", password: str | None = None,
-                 cluster: bool = False) -> None:
+                 cluster: bool = False, policy: str = "allkeys-lru") -> None:
         self.port = free_port()
         self.workdir, self.maxmemory, self.password, self.cluster = workdir, maxmemory, password, cluster
+        self.policy = policy
         self.proc: subprocess.Popen | None = None
         self.start()
 
@@ -64,7 +65,7 @@ class RedisServer:
 
     def args(self) -> list[str]:
         args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru", "--dir", str(self.workdir)]
+                "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy, "--dir", str(self.workdir)]
         if self.password:
             args += ["--requirepass", self.password]
         if self.cluster:
@@ -84,6 +85,13 @@ class RedisServer:
         out = subprocess.run([REDIS_CLI, "-p", str(self.port), *auth, *command], capture_output=True, text=True,
                              timeout=10)
         return out.stdout.strip()
+
+    def info(self, field: str) -> int:
+        """One integer field of INFO (e.g. used_memory, evicted_keys)."""
+        for line in self.cli("INFO").splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split(":", 1)[1])
+        raise KeyError(field)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

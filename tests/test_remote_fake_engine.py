@@ -8,40 +8,12 @@ integrity error; outputs must equal an engine's without any connector.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from redis_servers import redis_server  # noqa: F401 - fixture
+from remote_helpers import clean, one_per_prefix, prefixes, reference_outputs, remote_config
 
 from offload_connector.fake_engine import FakeEngine
-from offload_connector.fake_engine.workload import Workload, run_workload, small_config
-
-
-def prefixes(seed: int, n: int, length: int = 24) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1000) for _ in range(length)] for _ in range(n)]
-
-
-def one_per_prefix(tag: str, shared: list[list[int]], seed: int) -> Workload:
-    """One request per prefix with its own suffix: no request of this workload hits another's blocks."""
-    rng = random.Random(seed)
-    return Workload([(f"{tag}{i}", p + [rng.randrange(1000) for _ in range(5)], 4) for i, p in enumerate(shared)])
-
-
-def remote_config(url: str, tp: int = 1, **remote):
-    return small_config(num_gpu_blocks=32, num_cpu_blocks=48,
-                        remote={"url": url, "timeout_ms": 5000, "namespace": "t", **remote})
-
-
-def reference_outputs(wl: Workload) -> dict[str, list[int]]:
-    with FakeEngine(small_config(num_gpu_blocks=32), connector=False) as engine:
-        run_workload(engine, wl)
-        return engine.outputs
-
-
-def clean(engine: FakeEngine) -> None:
-    assert engine.stats.integrity_errors == 0 and engine.stats.leaked_blocks == 0
-    assert engine.stats.verified_tokens > 0
+from offload_connector.fake_engine.workload import run_workload, small_config
 
 
 @pytest.mark.parametrize("tp", [1, 2])
