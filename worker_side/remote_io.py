@@ -33,8 +33,13 @@ from offload_connector.remote_format import block_key, decode_value, encode_valu
 from worker_side.host_pool import HostPool
 
 logger = logging.getLogger(__name__)
-BATCH_BLOCKS = 64  # blocks per pipelined round trip
-WRITE_BATCH_BYTES = 8 << 20
+BATCH_BLOCKS = 64  # at most this many blocks per pipelined round trip ...
+BATCH_BYTES = 2 << 20  # ... and about this many bytes: larger pipelines were slower on loopback (docs/benchmarks.md)
+
+
+def batch_blocks(block_bytes: int) -> int:
+    """Blocks per round trip for blocks of `block_bytes`: at least 1."""
+    return max(1, min(BATCH_BLOCKS, BATCH_BYTES // max(1, block_bytes)))
 
 
 @dataclass(slots=True)
@@ -113,8 +118,9 @@ class RemoteWorkerIO:
                 return
             event_id, cpu_ids, keys = job
             result = FetchResult(event_id)
-            for start in range(0, len(keys), BATCH_BLOCKS):
-                self._fetch_batch(cpu_ids[start:start + BATCH_BLOCKS], keys[start:start + BATCH_BLOCKS], result)
+            step = batch_blocks(self.rows.bytes_per_block)
+            for start in range(0, len(keys), step):
+                self._fetch_batch(cpu_ids[start:start + step], keys[start:start + step], result)
             with self._lock:
                 self._results.append(result)
                 self._fetches_in_flight -= 1
@@ -168,8 +174,8 @@ class RemoteWorkerIO:
                     self._lock.wait()
                 if self._closed:
                     return
-                batch, nbytes = [], 0
-                while self._writes and len(batch) < BATCH_BLOCKS and nbytes < WRITE_BATCH_BYTES:
+                batch, nbytes, step = [], 0, batch_blocks(self.rows.bytes_per_block)
+                while self._writes and len(batch) < step:
                     key, payload = self._writes.popleft()
                     batch.append((key, payload))
                     nbytes += len(payload)
