@@ -55,6 +55,7 @@ class WorkerReport(msgspec.Struct, kw_only=True):
     load_seconds: float = 0.0
     completed_fetch_events: list[int] = msgspec.field(default_factory=list)  # remote tier: done (some may fail)
     failed_fetch_cpu_blocks: list[int] = msgspec.field(default_factory=list)  # ... blocks not fetched (miss)
+    remote_counters: dict[str, int] = msgspec.field(default_factory=dict)  # remote tier: this rank's deltas
 
     @property
     def is_empty(self) -> bool:

@@ -79,7 +79,7 @@ class Completions:
                 self._on_store_report(event_id, False, rank)
             for event_id in report.failed_store_events:
                 self._on_store_report(event_id, True, rank)
-            if report.completed_fetch_events and self.remote is not None:
+            if (report.completed_fetch_events or report.remote_counters) and self.remote is not None:
                 keys = self.remote.on_report(report)  # fetched blocks are now cached like stored ones
                 if self.emit_kv_events:
                     self._kv_events.extend(KVEvent("stored", key) for key in keys)

@@ -35,6 +35,7 @@ from scheduler_side.remote_lookup import RemoteLookups
 from scheduler_side.request_state import RemoteWait, RequestState
 
 logger = logging.getLogger("scheduler_side.connector")
+REMOTE_COUNTERS = tuple(RemoteCounters.__dataclass_fields__) + ("breaker_trips",)
 
 
 @dataclass(slots=True)
@@ -60,6 +61,12 @@ class RemoteTier:
         self._events: dict[int, FetchEvent] = {}  # issued, not complete
         self._to_send: FetchEvent | None = None  # this step's fetches, sent by the next metadata
         self._next_event = 0
+        self.worker_counters: dict[str, int] = {}  # the workers' remote counters, summed over ranks
+
+    def values(self) -> tuple[int, ...]:
+        """Both sides' counters summed, in `REMOTE_COUNTERS` order (for stats)."""
+        mine, theirs = self.counters.snapshot(), self.worker_counters
+        return tuple(mine.get(k, 0) + theirs.get(k, 0) for k in REMOTE_COUNTERS)
 
     # ---- lookups -------------------------------------------------------------------------------------
     def start(self, state: RequestState, hashes: Sequence[bytes], first: int, last: int) -> bool:
@@ -152,7 +159,9 @@ class RemoteTier:
         meta.fetch_keys = list(event.keys)
 
     def on_report(self, report: WorkerReport) -> list[bytes]:
-        """Apply one rank's fetch completions; returns the keys that became hit-able on the CPU tier."""
+        """Apply one rank's fetch completions and counters; returns the keys that became hit-able on the CPU tier."""
+        for name, delta in report.remote_counters.items():
+            self.worker_counters[name] = self.worker_counters.get(name, 0) + delta
         committed: list[bytes] = []
         failed = set(report.failed_fetch_cpu_blocks)
         for event_id in report.completed_fetch_events:

@@ -85,6 +85,7 @@ class RemoteWorkerIO:
         self._writes: deque[tuple[bytes, bytes]] = deque()
         self._write_bytes = 0  # payload bytes queued or being written
         self._closed = False
+        self._reported: dict[str, int] = {}  # counters at the last take_counter_deltas
         self._threads = [threading.Thread(target=self._fetch_loop, name=f"remote-fetch-{rank}", daemon=True),
                          threading.Thread(target=self._write_loop, name=f"remote-write-{rank}", daemon=True)]
         for t in self._threads:
@@ -199,6 +200,13 @@ class RemoteWorkerIO:
                 counters.write_exists += 1
             else:
                 counters.dropped_writes += 1  # refused by the server (e.g. OOM): counted in errors too
+
+    def take_counter_deltas(self) -> dict[str, int]:
+        """The counters' changes since the previous call (non-zero ones only), for the worker's report."""
+        now = self.counters.snapshot()
+        now["breaker_trips"] = self.breaker.num_trips
+        last, self._reported = self._reported, now
+        return {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def wait_idle(self, timeout: float | None = None) -> bool:

@@ -251,6 +251,7 @@ class OffloadWorker:
             for fetch in self.remote.poll():
                 report.completed_fetch_events.append(fetch.event_id)
                 report.failed_fetch_cpu_blocks.extend(fetch.failed_cpu_ids)
+            report.remote_counters = self.remote.take_counter_deltas()
         return report
 
     def wait_all(self) -> None:
