@@ -293,7 +293,7 @@ class OffloadScheduler(Completions):
         meta.store_event = event.event_id
         meta.store_gpu_blocks = gpu_ids
         meta.store_cpu_blocks = [b.block_id for b in cpu_blocks]
-        if self.remote is not None:
+        if self.remote is not None and self.remote.enabled:
             meta.store_keys = keys  # written to the remote tier once the store completed
         return event
 

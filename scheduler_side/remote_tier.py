@@ -61,6 +61,7 @@ class RemoteTier:
         self._events: dict[int, FetchEvent] = {}  # issued, not complete
         self._to_send: FetchEvent | None = None  # this step's fetches, sent by the next metadata
         self._next_event = 0
+        self.enabled = True  # False after reset_cache: the weights may have changed, the server's KV not
         self.worker_counters: dict[str, int] = {}  # the workers' remote counters, summed over ranks
 
     def values(self) -> tuple[int, ...]:
@@ -72,7 +73,7 @@ class RemoteTier:
     def start(self, state: RequestState, hashes: Sequence[bytes], first: int, last: int) -> bool:
         """The request missed on the CPU at block `first`: ask the server about blocks first..last-1.
         True: the request waits (its lookup answers None)."""
-        if state.remote is not None or first >= last:
+        if state.remote is not None or first >= last or not self.enabled:
             return False
         if len(self._waiting) >= self.remote.max_waiting_requests or self.lookups.client.breaker.state == "open":
             self.counters.lookups_skipped += 1
@@ -192,7 +193,13 @@ class RemoteTier:
         return keys
 
     def fail_in_flight(self) -> None:
-        """reset_cache: nothing fetched before now becomes hit-able."""
+        """reset_cache: nothing fetched before now becomes hit-able, and the tier is off from now on for
+        this instance (neither asked nor written): vLLM resets the cache when the weights change, and the
+        server keeps KV of the old ones under the same keys. Other instances are not affected."""
+        if self.enabled:
+            logger.warning("remote tier turned off for this instance after a cache reset (weights may have "
+                           "changed); change remote.namespace on every instance to share again")
+        self.enabled = False
         for event in self._events.values():
             event.failed = True
         if self._to_send is not None:

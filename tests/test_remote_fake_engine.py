@@ -56,3 +56,17 @@ def test_different_models_never_share_blocks(redis_server) -> None:  # noqa: F81
 def test_remote_off_by_default_connects_nowhere() -> None:
     with FakeEngine(small_config()) as engine:
         assert engine.connector.remote is None and engine.worker.remote is None
+
+
+def test_reset_cache_turns_the_tier_off_for_this_instance(redis_server) -> None:  # noqa: F811
+    shared = prefixes(9, 4)
+    with FakeEngine(remote_config(redis_server.url)) as a:
+        run_workload(a, one_per_prefix("a", shared, 1))
+    with FakeEngine(remote_config(redis_server.url)) as b:
+        # vLLM resets the cache after a weight update: the server's KV may be the old weights'
+        assert b.connector.reset_cache()
+        keys = int(redis_server.cli("DBSIZE"))
+        run_workload(b, one_per_prefix("b", shared, 2))
+        clean(b)
+        assert b.stats.cpu_hit_tokens == 0 and b.connector.remote.counters.lookups == 0
+        assert int(redis_server.cli("DBSIZE")) == keys  # nothing written either
