@@ -111,23 +111,13 @@ class RemoteClient:
         self._redis = _drop(self._redis)
 
     # ---- commands --------------------------------------------------------------------------------
-    def exists_run(self, keys_per_block: Sequence[Sequence[bytes]], batch: int = 64) -> int:
-        """How many leading blocks exist (every key of a block present), asking `batch` blocks per round
-        trip and stopping at the first missing block. 0 when the server cannot be asked."""
-        found = 0
-        for start in range(0, len(keys_per_block), batch):
-            chunk = keys_per_block[start:start + batch]
-            replies = self._run([("exists", k) for keys in chunk for k in keys])
-            if replies is None:
-                return found
-            self.counters.lookups += 1
-            i = 0
-            for keys in chunk:
-                if not all(r == 1 for r in replies[i:i + len(keys)]):
-                    return found
-                i += len(keys)
-                found += 1
-        return found
+    def exists_flags(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Whether each key exists (one pipeline), or None when the server cannot be asked."""
+        replies = self._run([("exists", k) for k in keys])
+        if replies is None:
+            return None
+        self.counters.lookups += 1
+        return [r == 1 for r in replies]
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None] | None:
         """Each key's value (None: absent or refused), or None when the server cannot be asked."""

@@ -9,6 +9,7 @@ import pytest
 from redis_servers import redis_cluster, redis_server  # noqa: F401 - fixtures
 
 from offload_connector.config import ConfigError, load_config
+from offload_connector.hashing import with_group_id
 from offload_connector.remote_breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from offload_connector.remote_client import RemoteClient
 from offload_connector.remote_format import (
@@ -18,6 +19,7 @@ from offload_connector.remote_format import (
     decode_value,
     encode_value,
 )
+from scheduler_side.remote_lookup import RemoteLookups
 
 IDENTITY = RemoteIdentity(model="m", block_size=16, hash_algo="xxh3_128", layout="2x(2,16,2,8) float16")
 
@@ -133,9 +135,7 @@ def test_client_set_nx_get_exists_on_a_real_server(redis_server) -> None:  # noq
     assert client.set_nx_many([(b"k0", b"other")], 100) == [False]  # NX: never overwritten
     assert client.get_many([b"k0", b"k4", b"missing"]) == [b"v0", b"v4", None]
     assert 0 < int(redis_server.cli("TTL", "k0")) <= 100
-    blocks = [[b"k0"], [b"k1", b"k2"], [b"k3", b"missing"], [b"k4"]]
-    assert client.exists_run(blocks) == 2  # the third block misses one rank's key
-    assert client.exists_run(blocks, batch=1) == 2
+    assert client.exists_flags([b"k0", b"missing", b"k4"]) == [True, False, True]
     client.delete([b"k0"])
     assert client.get_many([b"k0"]) == [None]
     assert client.counters.errors == 0 and client.breaker.state == CLOSED
@@ -149,7 +149,7 @@ def test_wrong_password_is_a_miss_and_opens_the_breaker(tmp_path) -> None:
         client = RemoteClient(remote_cfg(f"redis://:wrong@127.0.0.1:{server.port}/0", breaker_backoff_ms=60000,
                                          breaker_max_backoff_ms=60000))
         assert client.set_nx_many([(b"k", b"v")], 10) is None
-        assert client.get_many([b"k"]) is None and client.exists_run([[b"k"]]) == 0
+        assert client.get_many([b"k"]) is None and client.exists_flags([b"k"]) is None
         assert client.counters.errors == 1 and client.breaker.state == OPEN and client.breaker.num_refused == 2
         good = RemoteClient(remote_cfg(server.url))
         assert good.set_nx_many([(b"k", b"v")], 10) == [True]
@@ -178,7 +178,33 @@ def test_cluster_pipelines_span_slots(redis_cluster) -> None:  # noqa: F811
     keys = [block_key(prefix, 0, 1, bytes([i]) * 16 + b"\0\0\0\0") for i in range(40)]
     assert client.set_nx_many([(k, k[-8:]) for k in keys], 60) == [True] * 40
     assert client.get_many(keys) == [k[-8:] for k in keys]
-    assert client.exists_run([[k] for k in keys] + [[b"absent"]], batch=16) == 40
+    assert client.exists_flags(keys + [b"absent"]) == [True] * 40 + [False]
     per_node = [int(n.cli("DBSIZE")) for n in redis_cluster]
     assert sum(per_node) == 40 and min(per_node) > 0  # the keys really spread over the three masters
     assert client.counters.errors == 0
+
+
+def test_lookups_batch_questions_and_stop_at_each_ones_first_miss(redis_server) -> None:  # noqa: F811
+    client = RemoteClient(remote_cfg(redis_server.url))
+    lookups = RemoteLookups(client, "p", world_size=2)
+    hashes = [bytes([i]) * 16 for i in range(150)]
+    keys = [block_key("p", r, 2, with_group_id(h, 0)) for h in hashes[:70] for r in range(2)]
+    keys.append(block_key("p", 0, 2, with_group_id(hashes[70], 0)))  # block 70: rank 1's key is missing
+    keys += [block_key("p", r, 2, with_group_id(h, 0)) for h in hashes[71:] for r in range(2)]
+    assert client.set_nx_many([(k, b"v") for k in keys], 60) == [True] * len(keys)
+    tickets = [lookups.submit(hashes, 0), lookups.submit(hashes[:5], 0), lookups.submit([b"\xff" * 16], 0),
+               lookups.submit(hashes, 1)]  # another group: other keys
+    answers: dict[int, int] = {}
+    for _ in range(100_000):  # a bound on polls, not on time
+        for t in tickets:
+            if t not in answers and (n := lookups.take(t)) is not None:
+                answers[t] = n
+        if len(answers) == len(tickets):
+            break
+        time.sleep(0.001)
+    assert [answers.get(t) for t in tickets] == [70, 5, 0, 0]
+    assert lookups.take(tickets[0]) is None  # each answer is handed out once
+    cancelled = lookups.submit(hashes, 0)
+    lookups.cancel(cancelled)
+    lookups.close()
+    assert lookups.take(cancelled) is None and client.counters.errors == 0
