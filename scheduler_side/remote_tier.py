@@ -56,7 +56,8 @@ class RemoteTier:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.remote, self.lookups, self.cpu_pool = remote, lookups, cpu_pool
         self.counters: RemoteCounters = lookups.client.counters
-        self._allocate_cpu, self.world_size, self.group_id, self._clock = allocate_cpu, world_size, group_id, clock
+        self._allocate_cpu, self.world_size, self.group_id = allocate_cpu, world_size, group_id
+        self.clock = clock  # time.monotonic; tests pass their own
         self._waiting: set[str] = set()  # requests with a RemoteWait not done
         self._events: dict[int, FetchEvent] = {}  # issued, not complete
         self._to_send: FetchEvent | None = None  # this step's fetches, sent by the next metadata
@@ -80,7 +81,7 @@ class RemoteTier:
             return False
         n = min(last - first, self.remote.max_lookup_blocks)
         ticket = self.lookups.submit(hashes[first:first + n], self.group_id)
-        state.remote = RemoteWait(first, self._clock() + self.remote.timeout_ms / 1000, ticket)
+        state.remote = RemoteWait(first, self.clock() + self.remote.timeout_ms / 1000, ticket)
         self._waiting.add(state.request_id)
         return True
 
@@ -103,7 +104,7 @@ class RemoteTier:
         return self._stop(state, wait)
 
     def _still_waiting(self, state: RequestState, wait: RemoteWait) -> bool:
-        if self._clock() < wait.deadline:
+        if self.clock() < wait.deadline:
             return True
         self.counters.lookup_timeouts += 1
         if wait.ticket is not None:
@@ -126,7 +127,11 @@ class RemoteTier:
             if key in pool.cached or key in pool.reserved:
                 break
             keys.append(key)
+        # the request's own CPU hits before the run stay pinned while the run's blocks are allocated
+        own = [b for b in (pool.cached.get(with_group_id(h, group)) for h in hashes[:wait.first_block]) if b]
+        pool.touch(own)
         blocks = self._allocate_cpu(len(keys)) if keys else []
+        pool.free(own)
         if not blocks:
             return False
         keys = keys[:len(blocks)]
