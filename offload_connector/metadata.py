@@ -10,7 +10,9 @@ Direction words: *store* is GPU->CPU, *load* is CPU->GPU (never swap/spill/fetch
   blocks hold KV that this step's forward has completed once it has run.
   With the remote tier (remote_config.py): `fetch_cpu_blocks[i]` receives the block whose cache key is
   `fetch_keys[i]` from the server (all of a step's fetches form one fetch event), and `store_keys[i]` is
-  the cache key of `store_cpu_blocks[i]`, written to the server once the store completed. Both empty without it.
+  the cache key of `store_cpu_blocks[i]`, written to the server once the store completed (`write: on_store`);
+  `write_cpu_blocks[i]`, evicted this step, holds `write_keys[i]` until this step's copies and fetches
+  start: the worker copies it out first (`write: on_cpu_evict`). All empty without the tier.
 - `WorkerReport`: one worker rank -> scheduler, once per step, naming its `rank`. With tensor parallelism
   each rank reports separately; the scheduler counts a load or store complete once every rank has reported
   it once (a repeated report from the same rank is ignored), in both adapters the same way.
@@ -35,6 +37,8 @@ class TransferMetadata(msgspec.Struct, kw_only=True):
     fetch_event: int | None = None  # remote tier only: server -> host pool
     fetch_cpu_blocks: list[int] = msgspec.field(default_factory=list)
     fetch_keys: list[bytes] = msgspec.field(default_factory=list)
+    write_cpu_blocks: list[int] = msgspec.field(default_factory=list)  # remote tier, on_cpu_evict: blocks evicted
+    write_keys: list[bytes] = msgspec.field(default_factory=list)  # ... this step; written before reuse
 
     @property
     def is_empty(self) -> bool:

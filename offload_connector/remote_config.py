@@ -28,7 +28,9 @@ class RemoteConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ttl_seconds: Annotated[int, msgspec.Meta(ge=1)] = 86400  # SET ... EX: a key lives at most this long
     timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=60000)] = 200  # socket timeout, and how long a request waits
     max_inflight_bytes: int | str = "256MiB"  # write queue bound; writes beyond it are dropped (counted)
-    write: Literal["on_store"] = "on_store"  # write-through: every block stored to the CPU tier
+    # on_store: write-through, every block stored to the CPU tier; on_cpu_evict: write-back, a block when
+    # the CPU tier evicts it (fewer writes; a block still on some CPU tier is not on the server)
+    write: Literal["on_store", "on_cpu_evict"] = "on_store"
     max_lookup_blocks: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 512  # blocks asked about per lookup
     max_waiting_requests: Annotated[int, msgspec.Meta(ge=1)] = 64  # requests waiting on the tier at once
     breaker_backoff_ms: Annotated[int, msgspec.Meta(ge=1)] = 100  # first pause after a failure (doubles)

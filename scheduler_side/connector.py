@@ -89,6 +89,8 @@ class OffloadScheduler(Completions):
                                  "this adapter does not support it yet: remove the `remote:` section")
             self.remote = make_remote_tier(self.config.remote, self.remote_identity.key_prefix(
                 self.config.remote.namespace), self.cpu_pool, self._allocate_cpu, self.world_size, self.group_id)
+            if self.config.remote.write == "on_cpu_evict":
+                self.cpu_pool.on_evict_block = self.remote.on_cpu_evict
 
     # ------------------------------------------------------------------ 1. lookup
     def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -241,8 +243,6 @@ class OffloadScheduler(Completions):
     def build_connector_meta(self, scheduled: Iterable[StepRequest]) -> TransferMetadata:
         """This step's transfers: all new loads as one event, the chosen stores as another."""
         meta = TransferMetadata()
-        if self.remote is not None:
-            self.remote.fill_meta(meta)
         if self._loads_to_send:
             meta.load_event = self._next_load_event
             self._next_load_event += 1
@@ -276,6 +276,8 @@ class OffloadScheduler(Completions):
         if picks.release_gpu_ids:  # blocks the policy held for this event (which took its own references)
             self.gpu_pool.free(picks.release_gpu_ids)
         self.policy.on_stores_emitted(*((event.event_id, event.gpu_block_ids) if event else (None, [])))
+        if self.remote is not None:
+            self.remote.fill_meta(meta)  # after every allocation: the evicted blocks to write, if any
         return meta
 
     def _emit_store(self, meta: TransferMetadata, gpu_ids: list[int], keys: list[bytes]) -> StoreEvent | None:
@@ -293,7 +295,7 @@ class OffloadScheduler(Completions):
         meta.store_event = event.event_id
         meta.store_gpu_blocks = gpu_ids
         meta.store_cpu_blocks = [b.block_id for b in cpu_blocks]
-        if self.remote is not None and self.remote.enabled:
+        if self.remote is not None and self.remote.enabled and self.config.remote.write == "on_store":
             meta.store_keys = keys  # written to the remote tier once the store completed
         return event
 

@@ -62,6 +62,8 @@ class RemoteTier:
         self._events: dict[int, FetchEvent] = {}  # issued, not complete
         self._to_send: FetchEvent | None = None  # this step's fetches, sent by the next metadata
         self._next_event = 0
+        self._evicted: list[Block] = []  # on_cpu_evict: blocks evicted since the last metadata (hash set)
+        self._evicted_keys: list[bytes] = []
         self.enabled = True  # False after reset_cache: the weights may have changed, the server's KV not
         self.worker_counters: dict[str, int] = {}  # the workers' remote counters, summed over ranks
 
@@ -154,7 +156,19 @@ class RemoteTier:
             self._stop(state, wait)
 
     # ---- fetch events --------------------------------------------------------------------------------
+    def on_cpu_evict(self, block: Block) -> None:
+        """`write: on_cpu_evict`: the CPU pool evicts `block` (its content still there until this step's
+        copies start): have the workers write it first."""
+        if self.enabled:
+            self._evicted.append(block)
+            self._evicted_keys.append(block.block_hash)
+
     def fill_meta(self, meta: TransferMetadata) -> None:
+        """This step's fetch event and evicted blocks to write; call after every allocation of the step."""
+        if self._evicted:
+            meta.write_cpu_blocks = [b.block_id for b in self._evicted]
+            meta.write_keys = self._evicted_keys
+            self._evicted, self._evicted_keys = [], []
         event = self._to_send
         if event is None:
             return

@@ -19,8 +19,8 @@ def one_per_prefix(tag: str, shared: list[list[int]], seed: int) -> Workload:
     return Workload([(f"{tag}{i}", p + [rng.randrange(1000) for _ in range(5)], 4) for i, p in enumerate(shared)])
 
 
-def remote_config(url: str, **remote):
-    return small_config(num_gpu_blocks=32, num_cpu_blocks=48,
+def remote_config(url: str, num_cpu_blocks: int = 48, **remote):
+    return small_config(num_gpu_blocks=32, num_cpu_blocks=num_cpu_blocks,
                         remote={"url": url, "timeout_ms": 5000, "namespace": "t", **remote})
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from redis_servers import redis_server  # noqa: F401 - fixture
-from remote_helpers import clean, one_per_prefix, prefixes, reference_outputs, remote_config
+from remote_helpers import clean, one_per_prefix, prefixes, reference_outputs, remote_config, worker_counter
 
 from offload_connector.fake_engine import FakeEngine
 from offload_connector.fake_engine.workload import run_workload, small_config
@@ -70,3 +70,24 @@ def test_reset_cache_turns_the_tier_off_for_this_instance(redis_server) -> None:
         clean(b)
         assert b.stats.cpu_hit_tokens == 0 and b.connector.remote.counters.lookups == 0
         assert int(redis_server.cli("DBSIZE")) == keys  # nothing written either
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_write_back_on_cpu_evict_shares_what_the_cpu_tier_evicted(redis_server, tp) -> None:  # noqa: F811
+    shared = prefixes(11, 8)
+    wl_a, wl_b = one_per_prefix("a", shared, 1), one_per_prefix("b", shared, 2)
+    # 1. engine A: only blocks its CPU tier evicts are written (write-back)
+    # (a CPU tier of 15 blocks: the first prefixes are evicted by the later ones)
+    with FakeEngine(remote_config(redis_server.url, 16, write="on_cpu_evict"), tp_size=tp) as a:
+        run_workload(a, wl_a)
+        clean(a)
+        evicted, written = a.connector.stats.num_cpu_evictions, worker_counter(a, "written_blocks")
+        assert 0 < written == tp * evicted < tp * a.connector.stats.num_stored_blocks
+    # 2. engine B: hits on the evicted prefixes from the server, every block verified
+    with FakeEngine(remote_config(redis_server.url, write="on_cpu_evict"), tp_size=tp) as b:
+        run_workload(b, wl_b)
+        clean(b)
+        assert b.stats.cpu_hit_tokens > 0 and worker_counter(b, "corrupt_blocks") == 0
+        assert worker_counter(b, "fetched_blocks") == tp * b.connector.remote.counters.lookup_hit_blocks
+        outputs = b.outputs
+    assert outputs == reference_outputs(wl_b)

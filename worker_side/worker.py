@@ -143,7 +143,10 @@ class OffloadWorker:
             self.backend.begin_step()
 
     def start_load(self, meta: TransferMetadata) -> None:
-        """Issue this step's load (host pool -> KV cache) and remote fetch without waiting for them."""
+        """Issue this step's load (host pool -> KV cache) and remote fetch without waiting for them; first
+        copy out the blocks the CPU tier evicted this step for writing (remote tier, `on_cpu_evict`)."""
+        if meta.write_cpu_blocks and self.remote is not None:
+            self.remote.enqueue_write(meta.write_cpu_blocks, meta.write_keys)  # before any copy reuses them
         self.start_fetch(meta)
         if meta.load_event is None:
             return
