@@ -12,6 +12,7 @@ question whose request stopped waiting, so answers never pile up. Keys are built
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -20,6 +21,8 @@ from collections.abc import Sequence
 from offload_connector.hashing import with_group_id
 from offload_connector.remote_client import RemoteClient
 from offload_connector.remote_format import block_key
+
+logger = logging.getLogger(__name__)
 
 MAX_QUESTIONS_PER_ROUND = 256  # questions answered together (one pipeline per round trip)
 BLOCKS_PER_ROUND = 64  # blocks of one question asked per round trip
@@ -62,7 +65,12 @@ class RemoteLookups:
                     break
             stop = None in batch
             started = time.thread_time()
-            self._answer_all([q for q in batch if q is not None and not self._drop_cancelled(q[0])])
+            questions = [q for q in batch if q is not None and not self._drop_cancelled(q[0])]
+            try:
+                self._answer_all(questions)
+            except Exception:  # noqa: BLE001 - our bug; unanswered questions time out, the thread lives on
+                logger.exception("remote lookup of %d requests failed", len(questions))
+                self.client.counters.errors += 1
             self.cpu_seconds += time.thread_time() - started
             if stop:
                 return

@@ -148,3 +148,16 @@ def test_no_server_at_all(url) -> None:
     engine, _ = run_b(url, timeout_ms=50)
     assert engine.stats.cpu_hit_tokens == 0 and engine.connector.remote.counters.errors > 0
     engine.close()
+
+
+def test_a_failing_fetch_path_is_a_miss_not_a_stuck_request(redis_server, monkeypatch) -> None:  # noqa: F811
+    assert seed_server(redis_server.url) > 0
+
+    def broken(self, cpu_block_id, payload):
+        raise RuntimeError("injected: the host-pool write fails")
+
+    monkeypatch.setattr("worker_side.remote_io.HostRows.write", broken)
+    engine, _ = run_b(redis_server.url)  # finishes, every block verified, outputs unchanged
+    assert engine.stats.cpu_hit_tokens == 0 and worker_counter(engine, "errors") > 0
+    assert engine.connector.remote.counters.lookup_hit_blocks > 0  # found, fetched, refused: recomputed
+    engine.close()

@@ -121,7 +121,13 @@ class RemoteWorkerIO:
             result = FetchResult(event_id)
             step = batch_blocks(self.rows.bytes_per_block)
             for start in range(0, len(keys), step):
-                self._fetch_batch(cpu_ids[start:start + step], keys[start:start + step], result)
+                try:
+                    self._fetch_batch(cpu_ids[start:start + step], keys[start:start + step], result)
+                except Exception:  # noqa: BLE001 - our bug; the event must still complete (its blocks fail)
+                    logger.exception("remote fetch of event %d failed", event_id)
+                    self.counters.errors += 1
+                    done = set(result.failed_cpu_ids)
+                    result.failed_cpu_ids += [c for c in cpu_ids[start:start + step] if c not in done]
             with self._lock:
                 self._results.append(result)
                 self._fetches_in_flight -= 1
@@ -180,7 +186,11 @@ class RemoteWorkerIO:
                     key, payload = self._writes.popleft()
                     batch.append((key, payload))
                     nbytes += len(payload)
-            self._write_batch(batch)
+            try:
+                self._write_batch(batch)
+            except Exception:  # noqa: BLE001 - our bug; the queue must keep draining (wait_idle waits on it)
+                logger.exception("remote write of %d blocks failed", len(batch))
+                self.counters.dropped_writes += len(batch)
             with self._lock:
                 self._write_bytes -= nbytes
                 self._lock.notify_all()
