@@ -9,7 +9,7 @@ integrity error; outputs must equal an engine's without any connector.
 from __future__ import annotations
 
 import pytest
-from redis_servers import redis_server  # noqa: F401 - fixture
+from redis_servers import redis_cluster, redis_server  # noqa: F401 - fixtures
 from remote_helpers import clean, one_per_prefix, prefixes, reference_outputs, remote_config, worker_counter
 
 from offload_connector.fake_engine import FakeEngine
@@ -91,3 +91,21 @@ def test_write_back_on_cpu_evict_shares_what_the_cpu_tier_evicted(redis_server, 
         assert worker_counter(b, "fetched_blocks") == tp * b.connector.remote.counters.lookup_hit_blocks
         outputs = b.outputs
     assert outputs == reference_outputs(wl_b)
+
+
+def test_two_engines_share_a_redis_cluster(redis_cluster) -> None:  # noqa: F811
+    urls = [n.url for n in redis_cluster]
+    shared = prefixes(13, 6)
+    with FakeEngine(remote_config(urls)) as a:
+        run_workload(a, one_per_prefix("a", shared, 1))
+        clean(a)
+        written = worker_counter(a, "written_blocks")
+        assert written > 0 and sum(int(n.cli("DBSIZE")) for n in redis_cluster) == written
+        assert all(int(n.cli("DBSIZE")) > 0 for n in redis_cluster)  # the blocks spread over the masters
+    with FakeEngine(remote_config(urls)) as b:
+        wl = one_per_prefix("b", shared, 2)
+        run_workload(b, wl)
+        clean(b)
+        assert b.stats.cpu_hit_tokens > 0 and worker_counter(b, "errors") == 0
+        outputs = b.outputs
+    assert outputs == reference_outputs(wl)
