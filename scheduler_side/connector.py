@@ -82,15 +82,8 @@ class OffloadScheduler(Completions):
         self._view = SchedulerView(self.cpu_pool, self.gpu_pool, self._store_events, self.block_size,
                                    self.group_id, self.max_blocks_per_step, self.config.lazy_lookahead_blocks)
         self.policy: StorePolicy = make_store_policy(self.config, self._view)
-        self.remote: RemoteTier | None = None
-        if self.config.remote is not None:
-            if self.remote_identity is None:
-                raise ValueError("the remote tier (config `remote:`) needs the adapter to pass remote_identity; "
-                                 "this adapter does not support it yet: remove the `remote:` section")
-            self.remote = make_remote_tier(self.config.remote, self.remote_identity.key_prefix(
-                self.config.remote.namespace), self.cpu_pool, self._allocate_cpu, self.world_size, self.group_id)
-            if self.config.remote.write == "on_cpu_evict":
-                self.cpu_pool.on_evict_block = self.remote.on_cpu_evict
+        self.remote: RemoteTier | None = make_remote_tier(self.config.remote, self.remote_identity, self.cpu_pool,
+                                                          self._allocate_cpu, self.world_size, self.group_id)
 
     # ------------------------------------------------------------------ 1. lookup
     def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -28,6 +28,7 @@ from offload_connector.hashing import with_group_id
 from offload_connector.metadata import TransferMetadata, WorkerReport
 from offload_connector.remote_breaker import RemoteCounters
 from offload_connector.remote_config import RemoteConfig
+from offload_connector.remote_format import RemoteIdentity
 from scheduler_side.block_pool import BlockPool
 from scheduler_side.errors import SchedulerError
 from scheduler_side.free_queue import Block
@@ -241,10 +242,19 @@ class RemoteTier:
         self.lookups.close()
 
 
-def make_remote_tier(remote: RemoteConfig, key_prefix: str, cpu_pool: BlockPool,
-                     allocate_cpu: Callable[[int], list[Block]], world_size: int, group_id: int) -> RemoteTier:
-    """The tier with its lookup thread and client (connects on first use, never here)."""
+def make_remote_tier(remote: RemoteConfig | None, identity: RemoteIdentity | None, cpu_pool: BlockPool,
+                     allocate_cpu: Callable[[int], list[Block]], world_size: int, group_id: int) -> RemoteTier | None:
+    """The tier with its lookup thread and client (connects on first use, never here); None without the
+    `remote:` section. With `write: on_cpu_evict`, it hears of the CPU pool's evictions."""
+    if remote is None:
+        return None
+    if identity is None:
+        raise ValueError("the remote tier (config `remote:`) needs the adapter to pass remote_identity; this "
+                         "adapter does not support it yet: remove the `remote:` section")
     from offload_connector.remote_client import RemoteClient
 
-    lookups = RemoteLookups(RemoteClient(remote), key_prefix, world_size)
-    return RemoteTier(remote, lookups, cpu_pool, allocate_cpu, world_size, group_id)
+    lookups = RemoteLookups(RemoteClient(remote), identity.key_prefix(remote.namespace), world_size)
+    tier = RemoteTier(remote, lookups, cpu_pool, allocate_cpu, world_size, group_id)
+    if remote.write == "on_cpu_evict":
+        cpu_pool.on_evict_block = tier.on_cpu_evict
+    return tier
