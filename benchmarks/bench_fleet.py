@@ -88,18 +88,19 @@ class Server:
         self.proc.wait()
 
 
-def fleet_config(gpu_blocks: int, cpu_blocks: int, url: str | None, namespace: str):
+def fleet_config(gpu_blocks: int, cpu_blocks: int, url: str | None, namespace: str, write: str = "on_store"):
     data = {"num_cpu_blocks": cpu_blocks, "transfer": {"backend": "cpu", "num_streams": 2},
             "engine": {"num_gpu_blocks": gpu_blocks, "block_size": 16, "num_layers": 2, "num_kv_heads": 2,
                        "head_dim": 8, "dtype": "float16", "max_num_batched_tokens": 4096, "max_num_seqs": 64}}
     if url is not None:
-        data["remote"] = {"url": url, "namespace": namespace, "timeout_ms": 1000}
+        data["remote"] = {"url": url, "namespace": namespace, "timeout_ms": 1000, "write": write}
     return load_config(data)
 
 
-def run_fleet(trace, n: int, gpu_blocks: int, cpu_blocks: int, url: str | None, namespace: str) -> dict:
+def run_fleet(trace, n: int, gpu_blocks: int, cpu_blocks: int, url: str | None, namespace: str,
+              write: str = "on_store") -> dict:
     """Round-robin the trace over `n` engines stepped in lockstep; combined stats."""
-    engines = [FakeEngine(fleet_config(gpu_blocks, cpu_blocks, url, namespace), sync_stores=True,
+    engines = [FakeEngine(fleet_config(gpu_blocks, cpu_blocks, url, namespace, write), sync_stores=True,
                           keep_outputs=False, keep_samples=False) for _ in range(n)]
     queues = [list(range(i, len(trace), n)) for i in range(n)]
     cursor = [0] * n
@@ -119,7 +120,7 @@ def run_fleet(trace, n: int, gpu_blocks: int, cpu_blocks: int, url: str | None, 
         wall = time.perf_counter() - start
         s = [e.stats for e in engines]
         prompt = sum(x.prompt_tokens for x in s)
-        out = {"instances": n, "shared": url is not None, "prompt_tokens": prompt,
+        out = {"instances": n, "shared": url is not None, "write": write if url else None, "prompt_tokens": prompt,
                "gpu_hit_tokens": sum(x.gpu_hit_tokens for x in s), "cpu_hit_tokens": sum(x.cpu_hit_tokens for x in s),
                "integrity_errors": sum(x.integrity_errors for x in s), "leaked_blocks": sum(x.leaked_blocks for x in s),
                "wall_seconds": round(wall, 2)}
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="only the trace's first N requests")
     p.add_argument("--fetch-mib", type=int, default=128, help="bytes read back per block size")
     p.add_argument("--fetch-block-kib", type=int, nargs="+", default=[16, 128, 512, 2048])
+    p.add_argument("--write", choices=["on_store", "on_cpu_evict"], default="on_store", help="remote.write")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -193,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in args.instances:
                 local = run_fleet(trace, n, gpu, cpu, None, "")
                 server.client.flushall()
-                remote = run_fleet(trace, n, gpu, cpu, server.url, f"fleet{n}")
+                remote = run_fleet(trace, n, gpu, cpu, server.url, f"fleet{n}", args.write)
                 info = server.client.info()
                 remote["server_keys_at_end"], remote["server_evicted_keys"] = info.get("db0", {}).get("keys", 0), \
                     info["evicted_keys"]
