@@ -77,6 +77,7 @@ class RedisServer:
         deadline = time.monotonic() + 20
         while self.cli("PING") != "PONG":
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
                 raise RuntimeError(f"redis-server on port {self.port} did not start")
             time.sleep(0.05)
 
@@ -115,14 +116,21 @@ class RedisServer:
 
 def make_cluster(workdir: Path, maxmemory: str = "64mb") -> list[RedisServer]:
     """Three masters, no replicas, all 16384 slots assigned; returns once the cluster says ok."""
-    nodes = [RedisServer(workdir, maxmemory, cluster=True) for _ in range(3)]
-    subprocess.run([REDIS_CLI, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
-                    "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, check=True, timeout=60)
-    deadline = time.monotonic() + 30
-    while not all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in nodes):
-        if time.monotonic() > deadline:
-            raise RuntimeError("the 3-node cluster did not reach cluster_state:ok")
-        time.sleep(0.1)
+    nodes: list[RedisServer] = []
+    try:
+        for _ in range(3):
+            nodes.append(RedisServer(workdir, maxmemory, cluster=True))
+        subprocess.run([REDIS_CLI, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
+                        "--cluster-replicas", "0", "--cluster-yes"], capture_output=True, check=True, timeout=60)
+        deadline = time.monotonic() + 30
+        while not all("cluster_state:ok" in n.cli("CLUSTER", "INFO") for n in nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the 3-node cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+    except BaseException:
+        for node in nodes:  # no server outlives a failed set-up
+            node.stop()
+        raise
     return nodes
 
 
