@@ -35,6 +35,7 @@ import json
 import pstats
 import random
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path[:0] = [str(ROOT), str(ROOT.parent)]
 
-from vllm_sim import VARIANTS, SimShape, VllmSim, instrument_connector  # noqa: E402
+from vllm_sim import REMOTE_VARIANT, VARIANTS, SimShape, VllmSim, instrument_connector  # noqa: E402
 
 # Preset workloads: argparse defaults that explicit flags override. "default" is the flags' own defaults.
 WORKLOADS: dict[str, dict] = {
@@ -79,7 +80,7 @@ def make_workload(args: argparse.Namespace) -> list[Arrival]:
 def shape_of(args: argparse.Namespace) -> SimShape:
     return SimShape(num_gpu_blocks=args.gpu_blocks, num_cpu_blocks=args.cpu_blocks, block_size=args.block_size,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_model_len=2048)
+                    max_model_len=2048, remote_url=getattr(args, "remote_url", None))
 
 
 class Feed:
@@ -106,8 +107,9 @@ def run_lockstep(arrivals: list[Arrival], args: argparse.Namespace,
     The garbage collector is off while stepping and runs, untimed, every 50 steps: one variant's garbage
     must not be collected inside another's timed step.
     """
-    feeds = {v: Feed(VllmSim(v, shape_of(args), store_delay=args.store_delay), arrivals) for v in VARIANTS}
-    timed_steps = dict.fromkeys(VARIANTS, 0)
+    variants = VARIANTS + ((REMOTE_VARIANT,) if getattr(args, "remote_url", None) else ())
+    feeds = {v: Feed(VllmSim(v, shape_of(args), store_delay=args.store_delay), arrivals) for v in variants}
+    timed_steps = dict.fromkeys(variants, 0)
     hooks = {v: instrument_connector(f.sim) for v, f in feeds.items()} if breakdown else {}
     gc.collect()
     gc.disable()
@@ -115,7 +117,7 @@ def run_lockstep(arrivals: list[Arrival], args: argparse.Namespace,
         rnd = 0
         while not all(f.done for f in feeds.values()):
             rnd += 1
-            order = VARIANTS[rnd % 3:] + VARIANTS[:rnd % 3]
+            order = variants[rnd % len(variants):] + variants[:rnd % len(variants)]
             for v in order:
                 f = feeds[v]
                 if f.done:
@@ -137,6 +139,13 @@ def run_lockstep(arrivals: list[Arrival], args: argparse.Namespace,
     finally:
         gc.enable()
     results = {v: summarize(f.sim, arrivals, timed_steps[v]) for v, f in feeds.items()}
+    for v, f in feeds.items():
+        offload = getattr(f.sim.sched.connector, "offload", None)  # ours only
+        remote = offload.remote if offload is not None else None
+        if remote is not None:  # the lookup thread's CPU time is the scheduler process's too
+            results[v]["lookup_thread_us_per_step"] = round(remote.lookups.cpu_seconds / max(1, f.sim.step_no) * 1e6, 1)
+            results[v]["remote"] = remote.counters.snapshot()
+            remote.close()
     for v, spent in hooks.items():
         if feeds[v].sim.sched.connector is not None:
             results[v]["hook_us_per_step"] = {k: round(x / max(1, timed_steps[v]) * 1e6, 1)
@@ -234,18 +243,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--breakdown", action="store_true",
                    help="extra run timing each connector hook (CPU us/step per hook, both connectors)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--remote", action="store_true",
+                   help="also run ours with the remote tier on (a throwaway redis-server on a loopback port)")
     p.set_defaults(**WORKLOADS[p.parse_known_args(argv)[0].workload])
     args = p.parse_args(argv)
 
     arrivals = make_workload(args)
     started = time.perf_counter()
     results: dict[str, dict] = {}
-    for _ in range(args.repeats):
-        for variant, r in run_lockstep(arrivals, args).items():
-            if variant not in results or r["us_per_step"] < results[variant]["us_per_step"]:
-                results[variant] = r
+    server = None
+    if args.remote:
+        from bench_fleet import Server
+
+        server = Server(tempfile.mkdtemp())
+        args.remote_url = server.url
+    try:
+        for _ in range(args.repeats):
+            if server is not None:
+                server.client.flushall()  # each repeat starts from an empty tier
+            for variant, r in run_lockstep(arrivals, args).items():
+                if variant not in results or r["us_per_step"] < results[variant]["us_per_step"]:
+                    results[variant] = r
+    finally:
+        if server is not None:
+            server.stop()
     none, simple, ours = (results[v]["us_per_step"] for v in ("none", "simple", "ours"))
-    hidden = {"json", "profile", "profile_top", "breakdown"}
+    hidden = {"json", "profile", "profile_top", "breakdown", "remote", "remote_url"}
     if args.workload == "default":  # the default JSON keeps its keys
         hidden |= {"workload", "zipf"}
     else:
@@ -268,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {k: v for k, v in vars(args).items() if k not in hidden},
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
+    if args.remote:  # the tier's cost: scheduler thread, and with the lookup thread's CPU time added
+        remote = results[REMOTE_VARIANT]
+        out["remote_us_per_step"] = remote["us_per_step"]
+        out["remote_vs_ours"] = round(remote["us_per_step"] / ours, 3)
+        out["remote_with_lookup_thread_vs_ours"] = round(
+            (remote["us_per_step"] + remote["lookup_thread_us_per_step"]) / ours, 3)
     profile_text = None
     if args.profile:
         profiler = cProfile.Profile()

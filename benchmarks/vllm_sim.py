@@ -65,13 +65,15 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from offload_connector.metadata import WorkerReport, encode  # noqa: E402
+from offload_connector.metadata import WorkerReport, decode_report, encode  # noqa: E402
+from offload_connector.remote_format import block_key  # noqa: E402
 from offload_connector.vllm_connector import OffloadWorkerMetadata  # noqa: E402
 
 MODEL_DIR = str(Path(__file__).resolve().parent.parent / "tests" / "tiny_llama")
 EOS = 2
 TOKEN = 7  # every fake sampled token (never EOS: requests run to max_tokens)
 VARIANTS = ("none", "simple", "ours")
+REMOTE_VARIANT = "ours_remote"  # ours with the remote tier on (bench_scheduler.py --remote; needs a server)
 
 init_none_hash(sha256)
 
@@ -85,6 +87,7 @@ class SimShape:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     async_scheduling: bool = False  # AsyncScheduler with two batches in flight
+    remote_url: str | None = None  # the server of the REMOTE_VARIANT
 
 
 def build_scheduler(variant: str, shape: SimShape) -> Scheduler:
@@ -93,10 +96,13 @@ def build_scheduler(variant: str, shape: SimShape) -> Scheduler:
     page = spec.page_size_bytes
     if variant == "none":
         kv_transfer = None
-    elif variant == "ours":
+    elif variant in ("ours", REMOTE_VARIANT):
+        extra: dict = {"num_cpu_blocks": shape.num_cpu_blocks}
+        if variant == REMOTE_VARIANT:
+            extra["remote"] = {"url": shape.remote_url, "namespace": "sim", "timeout_ms": 1000}
         kv_transfer = KVTransferConfig(
             kv_connector="OffloadConnector", kv_connector_module_path="offload_connector.vllm_connector",
-            kv_role="kv_both", kv_connector_extra_config={"num_cpu_blocks": shape.num_cpu_blocks})
+            kv_role="kv_both", kv_connector_extra_config=extra)
     elif variant == "simple":
         # Simple sizes its pool as num_gpu_blocks * cpu_bytes // gpu_bytes: exactly num_cpu_blocks here.
         kv_transfer = KVTransferConfig(
@@ -182,6 +188,41 @@ class OursWorker(FakeWorker):
         return KVConnectorOutput(finished_recving=recving or None, kv_connector_worker_meta=worker_meta)
 
 
+class OursRemoteWorker(OursWorker):
+    """Ours with the remote tier: a completed store's keys are written to the server (empty values: the
+    scheduler only asks which keys exist), and each fetch event completes, successfully, one step later.
+    Both happen here, outside the timed scheduler calls, as they would in the worker processes."""
+
+    def __init__(self, load_delay: int, store_delay: int, key_prefix: str, url: str) -> None:
+        super().__init__(load_delay, store_delay)
+        import redis
+
+        self.key_prefix, self.client = key_prefix, redis.Redis.from_url(url)
+        self.store_keys: dict[int, list[bytes]] = {}
+        self.fetches: list[int] = []
+
+    @property
+    def idle(self) -> bool:
+        return super().idle and not self.fetches
+
+    def output(self, out, step: int) -> KVConnectorOutput:
+        meta = out.kv_connector_metadata.transfer
+        if meta.store_event is not None:
+            self.store_keys[meta.store_event] = list(meta.store_keys)
+        done_fetches, self.fetches = self.fetches, ([meta.fetch_event] if meta.fetch_event is not None else [])
+        kv_out = super().output(out, step)
+        report = decode_report(kv_out.kv_connector_worker_meta.reports[0]) if kv_out.kv_connector_worker_meta \
+            else WorkerReport()
+        pipe = self.client.pipeline(transaction=False)
+        for event in report.completed_store_events:
+            for key in self.store_keys.pop(event, ()):
+                pipe.set(block_key(self.key_prefix, 0, 1, key), b"x", ex=600)
+        pipe.execute()
+        report.completed_fetch_events = done_fetches
+        worker_meta = None if report.is_empty else OffloadWorkerMetadata(reports=[encode(report)])
+        return KVConnectorOutput(finished_recving=kv_out.finished_recving, kv_connector_worker_meta=worker_meta)
+
+
 class SimpleWorker(FakeWorker):
     def output(self, out, step: int) -> KVConnectorOutput:
         self.transfers.loads_this_step = []
@@ -205,7 +246,11 @@ class NoWorker(FakeWorker):
         return None
 
 
-def make_worker(variant: str, load_delay: int | None, store_delay: int) -> FakeWorker:
+def make_worker(variant: str, load_delay: int | None, store_delay: int, sched: Scheduler | None = None,
+                url: str | None = None) -> FakeWorker:
+    if variant == REMOTE_VARIANT:
+        prefix = sched.connector.offload.remote_identity.key_prefix("sim")
+        return OursRemoteWorker(0 if load_delay is None else load_delay, store_delay, prefix, url)
     if variant == "ours":
         return OursWorker(0 if load_delay is None else load_delay, store_delay)
     if variant == "simple":
@@ -220,7 +265,7 @@ class VllmSim:
         self.variant = variant
         self.shape = shape
         self.sched = build_scheduler(variant, shape)
-        self.worker = make_worker(variant, load_delay, store_delay)
+        self.worker = make_worker(variant, load_delay, store_delay, self.sched, shape.remote_url)
         self.depth = self.sched.vllm_config.max_concurrent_batches  # the engine core's batch queue size
         self._in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()  # newest first
         self.step_no = 0

@@ -24,6 +24,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from offload_connector.remote_config import RemoteConfig, check_remote
+
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -69,6 +71,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     hash_algo: Literal["xxh3_128", "sha256"] = "xxh3_128"
     metrics: bool = True
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    remote: RemoteConfig | None = None  # a shared tier under the CPU tier (remote_config.py); None: off
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE | re.ASCII)
@@ -177,6 +180,11 @@ def _translate(err: msgspec.ValidationError, data: Mapping[str, Any]) -> ConfigE
 
 def _validate(cfg: OffloadConfig) -> OffloadConfig:
     cfg.cpu_bytes = parse_size("cpu_bytes", cfg.cpu_bytes)
+    if cfg.remote is not None:
+        problem = check_remote(cfg.remote)
+        if problem is not None:
+            raise ConfigError(*problem)
+        cfg.remote.max_inflight_bytes = parse_size("remote.max_inflight_bytes", cfg.remote.max_inflight_bytes)
     return cfg
 
 

@@ -8,6 +8,11 @@ Direction words: *store* is GPU->CPU, *load* is CPU->GPU (never swap/spill/fetch
   back; they finish together (which blocks are whose is the scheduler's `LoadJob`, never needed here).
   Invariants: equal lengths per pair of lists; no GPU block appears twice in a step's loads; a store's GPU
   blocks hold KV that this step's forward has completed once it has run.
+  With the remote tier (remote_config.py): `fetch_cpu_blocks[i]` receives the block whose cache key is
+  `fetch_keys[i]` from the server (all of a step's fetches form one fetch event), and `store_keys[i]` is
+  the cache key of `store_cpu_blocks[i]`, written to the server once the store completed (`write: on_store`);
+  `write_cpu_blocks[i]`, evicted this step, holds `write_keys[i]` until this step's copies and fetches
+  start: the worker copies it out first (`write: on_cpu_evict`). All empty without the tier.
 - `WorkerReport`: one worker rank -> scheduler, once per step, naming its `rank`. With tensor parallelism
   each rank reports separately; the scheduler counts a load or store complete once every rank has reported
   it once (a repeated report from the same rank is ignored), in both adapters the same way.
@@ -28,10 +33,16 @@ class TransferMetadata(msgspec.Struct, kw_only=True):
     store_event: int | None = None
     store_gpu_blocks: list[int] = msgspec.field(default_factory=list)
     store_cpu_blocks: list[int] = msgspec.field(default_factory=list)
+    store_keys: list[bytes] = msgspec.field(default_factory=list)  # remote tier only (write after store)
+    fetch_event: int | None = None  # remote tier only: server -> host pool
+    fetch_cpu_blocks: list[int] = msgspec.field(default_factory=list)
+    fetch_keys: list[bytes] = msgspec.field(default_factory=list)
+    write_cpu_blocks: list[int] = msgspec.field(default_factory=list)  # remote tier, on_cpu_evict: blocks evicted
+    write_keys: list[bytes] = msgspec.field(default_factory=list)  # ... this step; written before reuse
 
     @property
     def is_empty(self) -> bool:
-        return self.load_event is None and self.store_event is None
+        return self.load_event is None and self.store_event is None and self.fetch_event is None
 
 
 class WorkerReport(msgspec.Struct, kw_only=True):
@@ -46,11 +57,14 @@ class WorkerReport(msgspec.Struct, kw_only=True):
     bytes_loaded: int = 0
     store_seconds: float = 0.0
     load_seconds: float = 0.0
+    completed_fetch_events: list[int] = msgspec.field(default_factory=list)  # remote tier: done (some may fail)
+    failed_fetch_cpu_blocks: list[int] = msgspec.field(default_factory=list)  # ... blocks not fetched (miss)
+    remote_counters: dict[str, int] = msgspec.field(default_factory=dict)  # remote tier: this rank's deltas
 
     @property
     def is_empty(self) -> bool:
         return not (self.finished_load_reqs or self.completed_store_events or self.failed_store_events
-                    or self.failed_load_gpu_blocks)
+                    or self.failed_load_gpu_blocks or self.completed_fetch_events)
 
 
 _meta_encoder = msgspec.msgpack.Encoder()

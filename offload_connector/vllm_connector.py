@@ -103,17 +103,22 @@ class OffloadConnector(KVConnectorBase_V1):
         self.config = resolve_config(self._kv_transfer_config.kv_connector_extra_config)
         self.shape: KVCacheShape = describe_kv_cache(vllm_config, kv_cache_config)
         self.num_cpu_blocks = self.shape.num_cpu_blocks(self.config)
+        remote = None
+        if self.config.remote is not None:  # the shared tier (remote_config.py); off by default
+            from offload_connector.vllm_remote import vllm_remote_identity
+
+            remote = vllm_remote_identity(vllm_config, kv_cache_config, self.shape)
         self.connector_scheduler: SchedulerRole | None = None
         self.connector_worker: WorkerRole | None = None
         if role == KVConnectorRole.SCHEDULER:
             from offload_connector.vllm_scheduler_role import SchedulerRole
 
             self.connector_scheduler = SchedulerRole(vllm_config, self.config, self.shape,
-                                                     self.num_cpu_blocks)
+                                                     self.num_cpu_blocks, remote)
         else:
             from offload_connector.vllm_worker_role import WorkerRole
 
-            self.connector_worker = WorkerRole(self.config, self.shape, self.num_cpu_blocks)
+            self.connector_worker = WorkerRole(self.config, self.shape, self.num_cpu_blocks, remote)
         cfg = self.config
         logger.info(
             "OffloadConnector %s: CPU tier %.2f GiB per rank x %d ranks = %d blocks of %d bytes per rank "
@@ -266,3 +271,5 @@ class OffloadConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.scheduler.close()  # the remote tier's lookup thread, if any

@@ -52,6 +52,10 @@ def merge_reports(a: WorkerReport, b: WorkerReport) -> WorkerReport:
         failed_load_gpu_blocks=a.failed_load_gpu_blocks + b.failed_load_gpu_blocks,
         bytes_stored=a.bytes_stored + b.bytes_stored, bytes_loaded=a.bytes_loaded + b.bytes_loaded,
         store_seconds=a.store_seconds + b.store_seconds, load_seconds=a.load_seconds + b.load_seconds,
+        completed_fetch_events=a.completed_fetch_events + b.completed_fetch_events,
+        failed_fetch_cpu_blocks=a.failed_fetch_cpu_blocks + b.failed_fetch_cpu_blocks,
+        remote_counters={k: a.remote_counters.get(k, 0) + b.remote_counters.get(k, 0)
+                         for k in a.remote_counters.keys() | b.remote_counters.keys()},
     )
 
 

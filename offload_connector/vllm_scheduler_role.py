@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 from offload_connector.config import OffloadConfig
 from offload_connector.metadata import decode_report
+from offload_connector.remote_format import RemoteIdentity
 from offload_connector.vllm_gpu_pool import VllmGpuPool
 from offload_connector.vllm_messages import OffloadConnectorMetadata, OffloadWorkerMetadata, to_vllm_events
 from offload_connector.vllm_setup import KVCacheShape
-from offload_connector.vllm_stats import OffloadConnectorStats, StatsTracker
+from offload_connector.vllm_stats import NO_REMOTE, OffloadConnectorStats, StatsTracker
 from scheduler_side import OffloadScheduler, StepRequest
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ class SchedulerRole:
     """The scheduler process's half of the connector: admission lookups, per-step metadata, completions."""
 
     def __init__(self, vllm_config: VllmConfig, config: OffloadConfig, shape: KVCacheShape,
-                 num_cpu_blocks: int) -> None:
+                 num_cpu_blocks: int, remote_identity: RemoteIdentity | None = None) -> None:
         sched = vllm_config.scheduler_config
         self.config = config
         self.block_size = shape.block_size
@@ -52,6 +53,7 @@ class SchedulerRole:
             group_id=0,
             max_blocks_per_step=sched.max_num_batched_tokens // shape.block_size + sched.max_num_seqs,
             num_gpu_blocks=shape.num_gpu_blocks,
+            remote_identity=remote_identity,
         )
         self._stats_tracker = StatsTracker()
         self._drafted: set[str] = set()  # requests with draft tokens in the last step (speculative decoding)
@@ -127,6 +129,13 @@ class SchedulerRole:
             return None
         sched = self.scheduler
         pool = sched.cpu_pool
-        return self._stats_tracker.take(sched.stats.values, lambda: {
+        remote = sched.remote
+        if remote is None:
+            return self._stats_tracker.take(lambda: sched.stats.values() + NO_REMOTE, lambda: {
+                "cpu_pool_usage": round(pool.usage, 4), "cpu_blocks_cached": len(pool.cached),
+                "cpu_blocks_total": pool.num_blocks - 1}, flush=not sched.has_live_requests())
+        return self._stats_tracker.take(lambda: sched.stats.values() + remote.values(), lambda: {
             "cpu_pool_usage": round(pool.usage, 4), "cpu_blocks_cached": len(pool.cached),
-            "cpu_blocks_total": pool.num_blocks - 1}, flush=not sched.has_live_requests())
+            "cpu_blocks_total": pool.num_blocks - 1, "remote_waiting_requests": remote.num_waiting,
+            "remote_breaker_open": int(remote.lookups.client.breaker.state == "open")},
+            flush=not sched.has_live_requests())

@@ -20,10 +20,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from scheduler_side.remote_tier import REMOTE_COUNTERS
 from scheduler_side.stats import FIELDS
 
-COUNTERS = FIELDS  # every SchedulerStats field is a running counter, in `SchedulerStats.values()` order
-GAUGES = ("cpu_pool_usage", "cpu_blocks_cached", "cpu_blocks_total")
+# Every SchedulerStats field is a running counter, in `SchedulerStats.values()` order, then the remote
+# tier's (both roles summed, `RemoteTier.values()` order; zero without the tier).
+COUNTERS = FIELDS + tuple(f"remote_{name}" for name in REMOTE_COUNTERS)
+NO_REMOTE = (0,) * len(REMOTE_COUNTERS)
+GAUGES = ("cpu_pool_usage", "cpu_blocks_cached", "cpu_blocks_total", "remote_breaker_open", "remote_waiting_requests")
 
 _DOCS = {
     "num_lookups": "CPU-tier lookups (one per request admission attempt)",
@@ -44,6 +48,23 @@ _DOCS = {
     "cpu_pool_usage": "fraction of CPU blocks referenced by transfers or pending hits",
     "cpu_blocks_cached": "CPU blocks holding a hit-able copy",
     "cpu_blocks_total": "CPU blocks per rank",
+    "remote_lookups": "remote tier: pipelined existence checks sent",
+    "remote_lookup_blocks": "remote tier: blocks asked about",
+    "remote_lookup_hit_blocks": "remote tier: blocks found on the server (every rank's key)",
+    "remote_lookup_timeouts": "remote tier: requests that stopped waiting after timeout_ms",
+    "remote_lookups_skipped": "remote tier: CPU misses not asked about (breaker open or too many waiting)",
+    "remote_fetched_blocks": "remote tier: blocks fetched into the CPU tier and verified (all ranks)",
+    "remote_fetched_bytes": "remote tier: bytes fetched (all ranks)",
+    "remote_fetch_miss_blocks": "remote tier: blocks gone between lookup and fetch (all ranks)",
+    "remote_corrupt_blocks": "remote tier: values refused by the checksum/length check, deleted (all ranks)",
+    "remote_written_blocks": "remote tier: blocks written (SET NX accepted; all ranks)",
+    "remote_write_exists": "remote tier: writes of keys already on the server (all ranks)",
+    "remote_written_bytes": "remote tier: bytes written (all ranks)",
+    "remote_dropped_writes": "remote tier: blocks not written: queue full, breaker open or refused (all ranks)",
+    "remote_errors": "remote tier: failed commands (connection, timeout, server errors)",
+    "remote_breaker_trips": "remote tier: times the circuit breaker opened (worker ranks)",
+    "remote_breaker_open": "remote tier: 1 while the scheduler's circuit breaker is open",
+    "remote_waiting_requests": "remote tier: requests waiting on a lookup or fetch",
 }
 
 

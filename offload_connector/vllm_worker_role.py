@@ -24,6 +24,7 @@ import torch
 
 from offload_connector.config import OffloadConfig
 from offload_connector.metadata import TransferMetadata, WorkerReport, encode
+from offload_connector.remote_format import RemoteIdentity
 from offload_connector.vllm_messages import OffloadWorkerMetadata, merge_reports
 from offload_connector.vllm_setup import KVCacheShape, UnsupportedSetupError
 from worker_side import OffloadWorker
@@ -32,10 +33,12 @@ from worker_side import OffloadWorker
 class WorkerRole:
     """One rank's half of the connector: registers the KV tensors, issues loads and stores, reports back."""
 
-    def __init__(self, config: OffloadConfig, shape: KVCacheShape, num_cpu_blocks: int) -> None:
+    def __init__(self, config: OffloadConfig, shape: KVCacheShape, num_cpu_blocks: int,
+                 remote_identity: RemoteIdentity | None = None) -> None:
         self.shape = shape
         self.num_cpu_blocks = num_cpu_blocks  # what the scheduler role counts; the worker must agree
-        self.worker = OffloadWorker(config, world_size=shape.world_size, rank=_tp_rank())
+        self.worker = OffloadWorker(config, world_size=shape.world_size, rank=_tp_rank(),
+                                    remote_identity=remote_identity)
         self._report: WorkerReport | None = None  # since the last build_connector_worker_meta
         self._failed_load_gpu_blocks: set[int] = set()  # since the last get_block_ids_with_load_errors
         self.kv_caches_unregistered = False  # between unregister_kv_caches and restore_kv_caches (asleep)
@@ -77,8 +80,9 @@ class WorkerRole:
 
     def start_load_kv(self, meta: TransferMetadata | None) -> None:
         self._check_registered(meta, "start_load_kv")
-        if meta is not None and meta.load_event is not None:
-            self.worker.start_load(meta)
+        if meta is not None and (meta.load_event is not None or meta.fetch_event is not None
+                                 or meta.write_cpu_blocks):
+            self.worker.start_load(meta)  # also issues the remote tier's fetch
 
     def wait_for_save(self, meta: TransferMetadata | None) -> None:
         self._check_registered(meta, "wait_for_save")
@@ -101,7 +105,8 @@ class WorkerRole:
 
     def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
         report, self._report = self._report, None
-        if report is None or (report.is_empty and not report.bytes_stored and not report.bytes_loaded):
+        if report is None or (report.is_empty and not report.bytes_stored and not report.bytes_loaded
+                              and not report.remote_counters):
             return None
         return OffloadWorkerMetadata(reports=[encode(report)])
 

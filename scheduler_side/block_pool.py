@@ -48,6 +48,7 @@ class BlockPool:
         self.cached: dict[bytes, Block] = {}
         self.reserved: dict[bytes, Block] = {}  # content on its way into a held block (not hit-able yet)
         self.on_evict = on_evict  # (key, evicted) for every cached block dropped; evicted: by allocation (LRU)
+        self.on_evict_block: Callable[[Block], None] | None = None  # an evicted block, its hash still set
         self.num_evictions = 0  # cached blocks dropped because their block was reallocated (LRU)
 
     # --- queries -------------------------------------------------------------------------------
@@ -78,8 +79,11 @@ class BlockPool:
         if num > self.free_queue.num_free_blocks:
             return None
         out = self.free_queue.popleft_n(num)
+        on_evict_block = self.on_evict_block
         for block in out:
             if block.block_hash is not None:
+                if on_evict_block is not None:
+                    on_evict_block(block)
                 self._drop_hash(block, evicted=True)
             block.ref_cnt = 1
         return out

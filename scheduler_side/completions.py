@@ -23,6 +23,7 @@ from offload_connector.metadata import WorkerReport
 from scheduler_side.block_pool import BlockPool
 from scheduler_side.errors import SchedulerError
 from scheduler_side.interfaces import GpuPool
+from scheduler_side.remote_tier import RemoteTier
 from scheduler_side.request_state import Phase, RequestState, StoreEvent
 from scheduler_side.stats import SchedulerStats
 from scheduler_side.store_policy import StorePolicy
@@ -53,6 +54,7 @@ class Completions:
     _store_events: dict[int, StoreEvent]
     _next_store_event: int
     _kv_events: list[KVEvent]
+    remote: RemoteTier | None
 
     def update_connector_output(self, reports: WorkerReport | Iterable[WorkerReport]) -> None:
         """Apply worker reports (any number per rank; each names its rank). A load or store completes once
@@ -77,6 +79,10 @@ class Completions:
                 self._on_store_report(event_id, False, rank)
             for event_id in report.failed_store_events:
                 self._on_store_report(event_id, True, rank)
+            if (report.completed_fetch_events or report.remote_counters) and self.remote is not None:
+                keys = self.remote.on_report(report)  # fetched blocks are now cached like stored ones
+                if self.emit_kv_events:
+                    self._kv_events.extend(KVEvent("stored", key) for key in keys)
 
     def _on_load_report(self, req_id: str, rank: int, failed_gpu_block_ids: set[int]) -> None:
         state = self._requests.get(req_id)
@@ -163,6 +169,8 @@ class Completions:
                 state.move_to(Phase.NEW)
         for event in self._store_events.values():
             event.failed = True
+        if self.remote is not None:
+            self.remote.fail_in_flight()
         pool = self.cpu_pool
         for block in list(pool.cached.values()):
             if not pool.discard(block):  # held by a load in flight: keeps its place, loses its content key
@@ -182,13 +190,15 @@ class Completions:
     def num_inflight_transfers(self) -> int:
         """Transfers in flight or queued (the engine should keep stepping until this is zero)."""
         return (len(self._store_events) + sum(1 for s in self._requests.values() if s.load is not None)
-                + self.policy.num_held_blocks)
+                + self.policy.num_held_blocks + (self.remote.num_events if self.remote is not None else 0))
 
     def has_live_requests(self) -> bool:
         """Some request is looked up, waiting for its load, or running (O(1))."""
         return bool(self._requests)
 
     def is_idle(self) -> bool:
+        if self.remote is not None and self.remote.num_events:
+            return False
         return not self._store_events and not self._loads_to_send and not self.policy.num_held_blocks and all(
             s.load is None and s.pending_hit is None for s in self._requests.values()
         )
@@ -197,6 +207,8 @@ class Completions:
         """Pool invariants plus: when idle, the connector holds no CPU references at all."""
         self.cpu_pool.check_integrity()
         held = {b.block_id for e in self._store_events.values() for b in e.cpu_blocks}
+        if self.remote is not None:
+            held |= self.remote.held_block_ids()
         for s in self._requests.values():
             if (s.pending_hit is not None) != (s.phase is Phase.PENDING_HIT) or (s.load is not None) != (
                     s.phase in (Phase.LOADING, Phase.FINISHED)):

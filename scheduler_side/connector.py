@@ -14,6 +14,8 @@ Reference ownership (the invariant that makes abort/preempt/finish safe at any p
 - a load job holds one reference on each of its GPU and CPU blocks until its completion is reported;
 - a store event holds one reference on each of its GPU and CPU blocks until every rank reported it.
 No block with a transfer in flight is therefore ever in a free queue. Nothing here imports torch.
+With `config.remote` (and the adapter's `remote_identity`), a CPU miss may make the request wait for the
+remote tier, which fetches blocks into the CPU tier first (remote_tier.py; a fetch event holds its blocks).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from offload_connector.config import OffloadConfig
 from offload_connector.hashing import with_group_id
 from offload_connector.metadata import TransferMetadata
+from offload_connector.remote_format import RemoteIdentity
 from scheduler_side.block_pool import BlockPool
 from scheduler_side.completions import Completions, KVEvent
 from scheduler_side.errors import SchedulerError
@@ -32,6 +35,7 @@ from scheduler_side.free_queue import Block
 from scheduler_side.interfaces import GpuPool, RequestLike, StepRequest
 from scheduler_side.lazy_policy import LazyStorePolicy
 from scheduler_side.policy_view import SchedulerView
+from scheduler_side.remote_tier import RemoteTier, make_remote_tier
 from scheduler_side.request_state import LoadJob, PendingHit, Phase, RequestState, StoreEvent
 from scheduler_side.stats import SchedulerStats
 from scheduler_side.store_policy import EagerStorePolicy, PolicyView, StorePolicy
@@ -58,6 +62,7 @@ class OffloadScheduler(Completions):
     max_blocks_per_step: int | None = None  # the engine's allocation bound per step (lazy lookahead)
     num_gpu_blocks: int | None = None  # the engine's GPU pool size (ARC remembers GPU + CPU reused keys)
     emit_kv_events: bool = True  # collect BlockStored/BlockRemoved for `take_events` (off: none kept)
+    remote_identity: RemoteIdentity | None = None  # what the remote tier's keys name (config.remote only)
     cpu_pool: BlockPool = field(init=False)
     stats: SchedulerStats = field(init=False, default_factory=SchedulerStats)
 
@@ -77,6 +82,8 @@ class OffloadScheduler(Completions):
         self._view = SchedulerView(self.cpu_pool, self.gpu_pool, self._store_events, self.block_size,
                                    self.group_id, self.max_blocks_per_step, self.config.lazy_lookahead_blocks)
         self.policy: StorePolicy = make_store_policy(self.config, self._view)
+        self.remote: RemoteTier | None = make_remote_tier(self.config.remote, self.remote_identity, self.cpu_pool,
+                                                          self._allocate_cpu, self.world_size, self.group_id)
 
     # ------------------------------------------------------------------ 1. lookup
     def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -101,6 +108,9 @@ class OffloadScheduler(Completions):
                                  "while the first is still live (not finished); request ids must be unique")
         self._drop_pending_hit(state)
         self.stats.num_lookups += 1
+        if self.remote is not None and self.remote.waiting(state):
+            state.move_to(Phase.NEW)
+            return None, False  # its blocks are being looked up or fetched on the remote tier
 
         bs = self.block_size
         state.num_gpu_hit_blocks = num_computed_tokens // bs
@@ -122,8 +132,12 @@ class OffloadScheduler(Completions):
                         state.move_to(Phase.NEW)
                         return None, False  # its store completes soon: ask again next step
                     self.stats.num_store_wait_timeouts += 1  # waited enough: the hit ends here
-                elif self._arc:
-                    self._note_misses(hashes, i, last)
+                else:
+                    if self._arc:
+                        self._note_misses(hashes, i, last)
+                    if self.remote is not None and self.remote.start(state, hashes, i, last):
+                        state.move_to(Phase.NEW)
+                        return None, False  # ask again once the remote tier answered
                 break
             hits.append(block)
         if not self.policy.may_admit(state, len(hits)):
@@ -255,6 +269,8 @@ class OffloadScheduler(Completions):
         if picks.release_gpu_ids:  # blocks the policy held for this event (which took its own references)
             self.gpu_pool.free(picks.release_gpu_ids)
         self.policy.on_stores_emitted(*((event.event_id, event.gpu_block_ids) if event else (None, [])))
+        if self.remote is not None:
+            self.remote.fill_meta(meta)  # after every allocation: the evicted blocks to write, if any
         return meta
 
     def _emit_store(self, meta: TransferMetadata, gpu_ids: list[int], keys: list[bytes]) -> StoreEvent | None:
@@ -272,6 +288,8 @@ class OffloadScheduler(Completions):
         meta.store_event = event.event_id
         meta.store_gpu_blocks = gpu_ids
         meta.store_cpu_blocks = [b.block_id for b in cpu_blocks]
+        if self.remote is not None and self.remote.enabled and self.config.remote.write == "on_store":
+            meta.store_keys = keys  # written to the remote tier once the store completed
         return event
 
     def _allocate_cpu(self, num: int) -> list[Block]:
@@ -294,6 +312,8 @@ class OffloadScheduler(Completions):
         if state is None:
             return False, None
         self._drop_pending_hit(state)
+        if self.remote is not None:
+            self.remote.forget(state)
         hold = self.policy.on_request_finished(state)
         if hold:  # released by the policy's next pick_stores, after the store event took its own
             self.gpu_pool.touch(hold)
@@ -322,3 +342,8 @@ class OffloadScheduler(Completions):
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
+
+    def close(self) -> None:
+        """Stop the remote tier's lookup thread (nothing else to release)."""
+        if self.remote is not None:
+            self.remote.close()

@@ -16,6 +16,9 @@ Lifecycle and invariants:
   says so (`sync_loads`: the CPU backend, one-step resume), else only polls (CUDA: the engine thread never
   blocks); it never waits for stores. Metadata that breaks the `TransferMetadata` invariants raises
   `WorkerInvariantError` before anything is submitted.
+- with the remote tier (`config.remote` and a `remote_identity` from the adapter), `start_load` also hands
+  the step's fetch event to `remote_io.RemoteWorkerIO`, `get_finished` reports finished fetches and queues a
+  completed store's blocks for writing (their bytes are copied before the report leaves this rank).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 
 from offload_connector.config import OffloadConfig
 from offload_connector.metadata import TransferMetadata, WorkerReport
+from offload_connector.remote_format import RemoteIdentity
 from offload_connector.sizing import num_cpu_blocks as sized_num_cpu_blocks
 from worker_side.backend import CopyJob, JobKind, JobResult, TransferBackend
 from worker_side.backend_select import make_backend
@@ -37,6 +41,7 @@ from worker_side.block_layout import BLOCK_FIRST, TensorBlockView, tensor_block_
 from worker_side.errors import LayoutError, WorkerClosedError, WorkerInvariantError
 from worker_side.host_memory import allocate_host_buffer
 from worker_side.host_pool import HostPool
+from worker_side.remote_io import RemoteWorkerIO
 
 
 @dataclass(slots=True)
@@ -46,12 +51,18 @@ class JobRecord:
     num_blocks: int
     submitted_at: float
     load_reqs: tuple[str, ...] = ()  # the requests a load job resumes; empty for stores
+    remote_write: tuple[np.ndarray, list[bytes]] | None = None  # a store's CPU blocks and keys (remote tier)
 
 
 class OffloadWorker:
     def __init__(self, config: OffloadConfig, world_size: int = 1, rank: int = 0,
-                 backend: TransferBackend | None = None) -> None:
+                 backend: TransferBackend | None = None, remote_identity: RemoteIdentity | None = None) -> None:
+        if config.remote is not None and remote_identity is None:
+            raise ValueError("the remote tier (config `remote:`) needs the adapter to pass remote_identity; this "
+                             "adapter does not support it yet: remove the `remote:` section")
         self.config, self.world_size, self.rank = config, world_size, rank
+        self.remote_identity = remote_identity
+        self.remote: RemoteWorkerIO | None = None  # created with the host pool
         self.backend = backend if backend is not None else make_backend(config)
         self._views: list[TensorBlockView] = []
         self._pool: HostPool | None = None
@@ -92,6 +103,9 @@ class OffloadWorker:
         self.backend.bind(views, pool)  # pins the pool where the backend needs it, before any graph capture
         self._pool = pool
         self._views, self._num_gpu_blocks = views, counts.pop()
+        if self.config.remote is not None and self.remote_identity is not None:
+            self.remote = RemoteWorkerIO(self.config.remote, self.remote_identity.key_prefix(self.config.remote.namespace),
+                                         self.rank, self.world_size, pool)
 
     def register_cross_layer_kv_cache(self, tensor: torch.Tensor, num_gpu_blocks: int | None = None) -> None:
         """One tensor holding every layer, block dim first: each block is one contiguous range."""
@@ -115,7 +129,7 @@ class OffloadWorker:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._jobs)
+        return len(self._jobs) + (self.remote.num_fetches_in_flight if self.remote is not None else 0)
 
     def _require_pool(self) -> HostPool:
         if self._pool is None:
@@ -129,19 +143,38 @@ class OffloadWorker:
             self.backend.begin_step()
 
     def start_load(self, meta: TransferMetadata) -> None:
-        """Issue this step's load (host pool -> KV cache) without waiting for it."""
+        """Issue this step's load (host pool -> KV cache) and remote fetch without waiting for them; first
+        copy out the blocks the CPU tier evicted this step for writing (remote tier, `on_cpu_evict`)."""
+        if meta.write_cpu_blocks and self.remote is not None:
+            self.remote.enqueue_write(meta.write_cpu_blocks, meta.write_keys)  # before any copy reuses them
+        self.start_fetch(meta)
         if meta.load_event is None:
             return
         cpu, gpu = self._checked_ids("load", meta.load_event, meta.load_cpu_blocks, meta.load_gpu_blocks)
         job_id = self._submit("load", meta.load_event, cpu, gpu, tuple(meta.load_event_reqs))
         self._loads_this_step.append(job_id)
 
+    def start_fetch(self, meta: TransferMetadata) -> None:
+        """Issue this step's remote fetch (server -> host pool; called by `start_load`)."""
+        if meta.fetch_event is None:
+            return
+        if self.remote is None:
+            raise WorkerInvariantError(f"fetch event {meta.fetch_event} without a remote tier (scheduler bug)")
+        ids, limit = np.asarray(meta.fetch_cpu_blocks, np.int64), self._require_pool().num_blocks
+        if len(ids) != len(meta.fetch_keys) or (len(ids) and (ids.min() < 1 or ids.max() >= limit)) \
+                or self._has_duplicates(ids, limit):
+            raise WorkerInvariantError(f"fetch event {meta.fetch_event}: CPU blocks {ids.tolist()[:32]} must be "
+                                       f"distinct, in [1, {limit}), one per key (scheduler bug)")
+        self.remote.submit_fetch(meta.fetch_event, meta.fetch_cpu_blocks, meta.fetch_keys)
+
     def start_store(self, meta: TransferMetadata) -> None:
         """Issue this step's store (KV cache -> host pool); call after the forward wrote the blocks."""
         if meta.store_event is None:
             return
         gpu, cpu = self._checked_ids("store", meta.store_event, meta.store_gpu_blocks, meta.store_cpu_blocks)
-        self._submit("store", meta.store_event, gpu, cpu, ())
+        job_id = self._submit("store", meta.store_event, gpu, cpu, ())
+        if self.remote is not None and meta.store_keys and job_id in self._jobs:
+            self._jobs[job_id].remote_write = (cpu, list(meta.store_keys))
 
     def _checked_ids(self, kind: JobKind, event_id: int, src: Sequence[int], dst: Sequence[int]
                      ) -> tuple[np.ndarray, np.ndarray]:
@@ -213,13 +246,23 @@ class OffloadWorker:
                 report.completed_store_events.append(rec.event_id)
                 report.bytes_stored += rec.num_blocks * bytes_per_block
                 report.store_seconds += seconds
+                if rec.remote_write is not None and self.remote is not None:
+                    self.remote.enqueue_write(*rec.remote_write)
             else:
                 report.failed_store_events.append(rec.event_id)
+        if self.remote is not None:
+            for fetch in self.remote.poll():
+                report.completed_fetch_events.append(fetch.event_id)
+                report.failed_fetch_cpu_blocks.extend(fetch.failed_cpu_ids)
+            report.remote_counters = self.remote.take_counter_deltas()
         return report
 
     def wait_all(self) -> None:
-        """Block until every submitted job has finished (results stay queued for get_finished)."""
+        """Block until every submitted job has finished (results stay queued for get_finished); with the
+        remote tier, also every fetch and queued write (each bounded by the server timeout)."""
         self.backend.wait(None)
+        if self.remote is not None:
+            self.remote.wait_idle()
 
     def shutdown(self) -> None:
         """Stop the backend: running copies finish, queued ones fail. Safe to call twice."""
@@ -227,3 +270,5 @@ class OffloadWorker:
             return
         self._closed = True
         self.backend.shutdown()
+        if self.remote is not None:
+            self.remote.close()

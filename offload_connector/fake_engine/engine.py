@@ -15,7 +15,8 @@ reported it, and a load lets its request resume once every rank finished it (vLL
 (`worker_side.cuda_sim.SimCompute`, with a `CudaBackend` over the same simulator), where the engine never
 waits for the forward, as with vLLM's async scheduling: transfers are ordered by their fences alone.
 
-`drain()` runs empty connector steps until every transfer is done and applied; `check()` then counts blocks still
+`drain()` runs empty connector steps until every transfer is done and applied (and the remote tier's
+queued writes are sent); `check()` then counts blocks still
 referenced (leaks) and runs every pool's `check_integrity()` (the fake models' expected-K/V arenas included).
 The engine owns the worker and shuts it down in `close()`; use it as a context manager.
 Memory stays flat however many requests run (the connector emits no KV events here, done requests give
@@ -35,6 +36,7 @@ from offload_connector.fake_engine.request import EngineRequest, RequestStatus
 from offload_connector.fake_engine.scheduler import EngineScheduler
 from offload_connector.fake_engine.stats import EngineStats
 from offload_connector.metadata import WorkerReport
+from offload_connector.remote_format import RemoteIdentity
 from scheduler_side import OffloadScheduler
 from worker_side import OffloadWorker, TransferBackend
 
@@ -50,6 +52,17 @@ def _per_rank(value: object, tp_size: int, what: str) -> list:
     if len(values) != tp_size or (tp_size > 1 and value is not None and not isinstance(value, list | tuple)):
         raise ValueError(f"FakeEngine: with tp_size={tp_size} pass `{what}` as a list of {tp_size} (one per rank)")
     return values
+
+
+def remote_identity(config: OffloadConfig) -> RemoteIdentity | None:
+    """The fake model's identity for the remote tier's keys (None without the tier): engines with equal
+    `engine:` sections and hash algorithm share blocks, as their K/V are the same function of the tokens."""
+    if config.remote is None:
+        return None
+    eng = config.engine
+    return RemoteIdentity(model="offload-connector/fake-model", dtype=eng.dtype, kv_cache_dtype=eng.dtype,
+                          block_size=eng.block_size, hash_algo=config.hash_algo,
+                          layout=f"{eng.num_layers}x(2,{eng.block_size},{eng.num_kv_heads},{eng.head_dim}) kv_first")
 
 
 class FakeEngine:
@@ -76,7 +89,8 @@ class FakeEngine:
         self.connector: OffloadScheduler | None = None
         if connector:
             for rank, (model, rank_backend) in enumerate(zip(self.models, backends, strict=True)):
-                worker = OffloadWorker(config, world_size=tp_size, rank=rank, backend=rank_backend)
+                worker = OffloadWorker(config, world_size=tp_size, rank=rank, backend=rank_backend,
+                                       remote_identity=remote_identity(config))
                 self.workers.append(worker)
                 worker.register_kv_caches(model.kv_caches, num_gpu_blocks=eng.num_gpu_blocks,
                                           layout="kv_first")  # (2, blocks, ...): say so, 2 blocks would be ambiguous
@@ -84,7 +98,8 @@ class FakeEngine:
             self.connector = OffloadScheduler(
                 config, eng.block_size, self.worker.num_cpu_blocks, self.gpu.view, tp_size,
                 max_blocks_per_step=None, num_gpu_blocks=eng.num_gpu_blocks,
-                emit_kv_events=False)  # nobody here takes them: kept, they grew with every request
+                emit_kv_events=False,  # nobody here takes them: kept, they grew with every request
+                remote_identity=remote_identity(config))
         self._load_reports: dict[str, int] = {}  # request id -> ranks that finished its load so far
         self.gpu.pool.on_evict = self._on_gpu_evict
         self.scheduler = EngineScheduler(eng, self.gpu, self.connector, self.stats, self._release,
@@ -215,6 +230,8 @@ class FakeEngine:
             self._poll_worker(wait_for_loads=False)
         else:
             raise EngineStallError("transfers still in flight after 1000 drain rounds (our bug)")
+        for worker in self.workers:
+            worker.wait_all()  # the remote tier's writes queued by the last completions reach the server
 
     def check(self) -> int:
         """Drain, count blocks still referenced beyond live requests (leaks), check every pool's invariants."""
@@ -237,6 +254,8 @@ class FakeEngine:
     def close(self) -> None:
         for worker in self.workers:
             worker.shutdown()
+        if self.connector is not None:
+            self.connector.close()
 
     def __enter__(self) -> FakeEngine:
         return self

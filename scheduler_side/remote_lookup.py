@@ -1,0 +1,124 @@
+"""The scheduler's background existence checks against the remote tier (one daemon thread).
+
+`submit(block_hashes, group_id)` queues a question and returns a ticket at once (the scheduler thread
+never waits on the network); the thread asks the server which of those blocks exist for every rank
+(pipelined EXISTS, stopping at the first missing block) and files the answer. Questions waiting together
+are asked in one pipeline: one round trip per batch, not per request (redis-py's per-pipeline cost was
+most of the thread's CPU time); `take(ticket)` returns it
+once (the number of leading blocks present), or None while it is not there. `cancel(ticket)` forgets a
+question whose request stopped waiting, so answers never pile up. Keys are built on the thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+from offload_connector.hashing import with_group_id
+from offload_connector.remote_client import RemoteClient
+from offload_connector.remote_format import block_key
+
+logger = logging.getLogger(__name__)
+
+MAX_QUESTIONS_PER_ROUND = 256  # questions answered together (one pipeline per round trip)
+BLOCKS_PER_ROUND = 64  # blocks of one question asked per round trip
+
+
+class RemoteLookups:
+    def __init__(self, client: RemoteClient, key_prefix: str, world_size: int) -> None:
+        self.client, self.prefix, self.world_size = client, key_prefix, world_size
+        self._tickets = itertools.count()
+        self._questions: queue.SimpleQueue = queue.SimpleQueue()
+        self._answers: dict[int, int] = {}
+        self._cancelled: set[int] = set()
+        self._lock = threading.Lock()
+        self.cpu_seconds = 0.0  # the thread's CPU time (benchmarks: it is the scheduler process's too)
+        self._thread = threading.Thread(target=self._loop, name="remote-lookup", daemon=True)
+        self._thread.start()
+
+    def submit(self, block_hashes: Sequence[bytes], group_id: int) -> int:
+        ticket = next(self._tickets)
+        self._questions.put((ticket, block_hashes, group_id))
+        return ticket
+
+    def take(self, ticket: int) -> int | None:
+        with self._lock:
+            return self._answers.pop(ticket, None)
+
+    def cancel(self, ticket: int) -> None:
+        with self._lock:
+            if self._answers.pop(ticket, None) is None:
+                self._cancelled.add(ticket)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._questions.get()
+            batch = [item]
+            while item is not None and len(batch) < MAX_QUESTIONS_PER_ROUND:
+                try:
+                    batch.append(self._questions.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in batch
+            started = time.thread_time()
+            questions = [q for q in batch if q is not None and not self._drop_cancelled(q[0])]
+            try:
+                self._answer_all(questions)
+            except Exception:  # noqa: BLE001 - our bug; unanswered questions time out, the thread lives on
+                logger.exception("remote lookup of %d requests failed", len(questions))
+                self.client.counters.errors += 1
+            self.cpu_seconds += time.thread_time() - started
+            if stop:
+                return
+
+    def _drop_cancelled(self, ticket: int) -> bool:
+        with self._lock:
+            if ticket in self._cancelled:
+                self._cancelled.discard(ticket)
+                return True
+        return False
+
+    def _answer_all(self, questions: list[tuple[int, Sequence[bytes], int]]) -> None:
+        """Answer every question, `BLOCKS_PER_ROUND` blocks of each per pipelined round trip, asking a
+        question's next blocks only while all of its blocks so far exist."""
+        prefix, world, client = self.prefix, self.world_size, self.client
+        found = dict.fromkeys((t for t, _, _ in questions), 0)
+        open_ = list(questions)
+        while open_:
+            keys: list[bytes] = []
+            spans = []
+            for ticket, hashes, group in open_:
+                start = found[ticket]
+                chunk = hashes[start:start + BLOCKS_PER_ROUND]
+                spans.append((ticket, len(chunk)))
+                keys += [block_key(prefix, r, world, with_group_id(h, group)) for h in chunk for r in range(world)]
+            flags = client.exists_flags(keys) if keys else []
+            still_open = []
+            i = 0
+            for (ticket, n), question in zip(spans, open_, strict=True):
+                client.counters.lookup_blocks += n
+                run = 0
+                if flags is not None:
+                    while run < n and all(flags[i + run * world:i + (run + 1) * world]):
+                        run += 1
+                found[ticket] += run
+                i += n * world
+                if flags is not None and run == n and n == BLOCKS_PER_ROUND and found[ticket] < len(question[1]):
+                    still_open.append(question)
+            open_ = still_open
+        with self._lock:
+            for ticket, n in found.items():
+                self.client.counters.lookup_hit_blocks += n
+                if ticket in self._cancelled:
+                    self._cancelled.discard(ticket)
+                else:
+                    self._answers[ticket] = n
+
+    def close(self) -> None:
+        self._questions.put(None)
+        self._thread.join(timeout=5)
+        self.client.close()
