@@ -14,6 +14,7 @@ A list of URLs is a Redis Cluster (its seed nodes); pipelines then split per nod
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,13 @@ from offload_connector.remote_breaker import CircuitBreaker, RemoteCounters
 from offload_connector.remote_config import RemoteConfig, redact, remote_urls
 
 logger = logging.getLogger(__name__)
+
+# How many of KEYS exist before the first one that does not (`leading_present`).
+# `no-writes` (Redis >= 7.0, Valkey): the server runs it under `maxmemory` too; an older server refuses to
+# load it and the client falls back to EXISTS.
+LEADING_SCRIPT = ("#!lua flags=no-writes\nfor i, key in ipairs(KEYS) do if redis.call('EXISTS', key) == 0 then return i - 1 end end "
+                  "return #KEYS")
+LEADING_SCRIPT_SHA = hashlib.sha1(LEADING_SCRIPT.encode()).hexdigest()  # noqa: S324 - Redis names scripts so
 
 
 def _redis() -> Any:
@@ -69,6 +77,9 @@ class RemoteClient:
         self._conn_errors = (exceptions.ConnectionError, exceptions.TimeoutError, exceptions.ClusterError,
                              exceptions.RedisClusterException, OSError)
         self._redis_error = exceptions.RedisError
+        self._no_script = exceptions.NoScriptError
+        self._script_sha: str | None = LEADING_SCRIPT_SHA  # None: the server refuses scripts
+        self._script_loads = 0
 
     def _client(self) -> Any:
         if self._redis is None:
@@ -118,6 +129,50 @@ class RemoteClient:
             return None
         self.counters.lookups += 1
         return [r == 1 for r in replies]
+
+    def leading_present(self, key_lists: Sequence[Sequence[bytes]]) -> list[int] | None:
+        """For each list, how many of its keys exist before its first missing one (one round trip), or None
+        when the server cannot be asked.
+
+        On one node each list is one `EVALSHA` of `LEADING_SCRIPT` (the server stops at the first missing key):
+        one command per list instead of one EXISTS per key, about 5x less of the caller's CPU for 64 keys.
+        A cluster (keys of one list live on different nodes, which a script cannot span) or a server that
+        refuses scripts (they can be disabled) gets the EXISTS pipeline, counted here."""
+        if self._script_sha is not None and len(remote_urls(self.remote)) == 1:
+            replies = self._run([("evalsha", self._script_sha, len(keys), *keys) for keys in key_lists])
+            if replies is None:
+                return None
+            if not any(isinstance(r, self._redis_error) for r in replies):
+                self.counters.lookups += 1
+                self._script_loads = 0
+                return [int(r) for r in replies]
+            self._load_script(replies)  # loaded (a restarted server forgets scripts), or EXISTS from now on
+            return self.leading_present(key_lists)
+        flags = self.exists_flags([k for keys in key_lists for k in keys])
+        if flags is None:
+            return None
+        out, i = [], 0
+        for keys in key_lists:
+            run = next((j for j, present in enumerate(flags[i:i + len(keys)]) if not present), len(keys))
+            out.append(run)
+            i += len(keys)
+        return out
+
+    def _load_script(self, replies: Sequence[Any]) -> None:
+        """After a script reply that is an error: load the script (NOSCRIPT; at most 3 times in a row), or
+        give up on scripts for good (refused, e.g. by an ACL or an older server)."""
+        refused = next(r for r in replies if isinstance(r, self._redis_error))
+        self.counters.errors -= sum(isinstance(r, Exception) for r in replies)  # not the server's fault
+        if isinstance(refused, self._no_script) and self._script_loads < 3:
+            self._script_loads += 1
+            loaded = self._run([("script_load", LEADING_SCRIPT)])
+            if loaded is None:
+                return  # the server cannot be asked now: a miss, scripts kept
+            if isinstance(loaded[0], str | bytes):
+                self._script_sha = loaded[0].decode() if isinstance(loaded[0], bytes) else loaded[0]
+                return
+        logger.warning("remote tier %s refuses scripts (%s); existence checks use EXISTS", self._where, refused)
+        self._script_sha = None
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None] | None:
         """Each key's value (None: absent or refused), or None when the server cannot be asked."""

@@ -1,12 +1,12 @@
 """The scheduler's background existence checks against the remote tier (one daemon thread).
 
 `submit(block_hashes, group_id)` queues a question and returns a ticket at once (the scheduler thread
-never waits on the network); the thread asks the server which of those blocks exist for every rank
-(pipelined EXISTS, stopping at the first missing block) and files the answer. Questions waiting together
-are asked in one pipeline: one round trip per batch, not per request (redis-py's per-pipeline cost was
-most of the thread's CPU time); `take(ticket)` returns it
-once (the number of leading blocks present), or None while it is not there. `cancel(ticket)` forgets a
-question whose request stopped waiting, so answers never pile up. Keys are built on the thread.
+never waits on the network); the thread asks the server how many of those blocks exist for every rank,
+from the first (`RemoteClient.leading_present`: the server stops at the first missing block), and files
+the answer. Questions waiting together are asked in one round trip per batch, not per request (redis-py's
+per-command cost was most of the thread's CPU time); `take(ticket)` returns it once (the number of leading
+blocks present), or None while it is not there. `cancel(ticket)` forgets a question whose request stopped
+waiting, so answers never pile up. Keys are built on the thread.
 """
 
 from __future__ import annotations
@@ -89,25 +89,22 @@ class RemoteLookups:
         found = dict.fromkeys((t for t, _, _ in questions), 0)
         open_ = list(questions)
         while open_:
-            keys: list[bytes] = []
-            spans = []
+            spans, key_lists = [], []
             for ticket, hashes, group in open_:
                 start = found[ticket]
                 chunk = hashes[start:start + BLOCKS_PER_ROUND]
                 spans.append((ticket, len(chunk)))
-                keys += [block_key(prefix, r, world, with_group_id(h, group)) for h in chunk for r in range(world)]
-            flags = client.exists_flags(keys) if keys else []
+                key_lists.append([block_key(prefix, r, world, with_group_id(h, group))
+                                  for h in chunk for r in range(world)])
+            present = client.leading_present(key_lists)
             still_open = []
-            i = 0
-            for (ticket, n), question in zip(spans, open_, strict=True):
+            for i, ((ticket, n), question) in enumerate(zip(spans, open_, strict=True)):
                 client.counters.lookup_blocks += n
-                run = 0
-                if flags is not None:
-                    while run < n and all(flags[i + run * world:i + (run + 1) * world]):
-                        run += 1
+                if present is None:
+                    continue
+                run = present[i] // world  # a block counts when every rank's key exists
                 found[ticket] += run
-                i += n * world
-                if flags is not None and run == n and n == BLOCKS_PER_ROUND and found[ticket] < len(question[1]):
+                if run == n == BLOCKS_PER_ROUND and found[ticket] < len(question[1]):
                     still_open.append(question)
             open_ = still_open
         with self._lock:

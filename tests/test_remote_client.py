@@ -141,6 +141,33 @@ def test_client_set_nx_get_exists_on_a_real_server(redis_server) -> None:  # noq
     assert client.counters.errors == 0 and client.breaker.state == CLOSED
 
 
+def test_leading_present_counts_each_list_up_to_its_first_missing_key(redis_server) -> None:  # noqa: F811
+    client = RemoteClient(remote_cfg(redis_server.url))
+    assert client.set_nx_many([(f"k{i}".encode(), b"v") for i in (0, 1, 2, 4)], 100) == [True] * 4
+    lists = [[b"k0", b"k1", b"k2", b"k3", b"k4"], [b"k3", b"k0"], [b"k0", b"k1"], []]
+    assert client.leading_present(lists) == [3, 0, 2, 0]
+    assert int(redis_server.cli("SCRIPT", "EXISTS", client._script_sha)) == 1  # one command per list
+    redis_server.cli("SCRIPT", "FLUSH")  # as after a restart: the server forgot the script
+    assert client.leading_present(lists) == [3, 0, 2, 0]
+    assert client._script_sha is not None and client.counters.errors == 0
+
+
+def test_leading_present_falls_back_to_exists_when_scripts_are_refused(tmp_path) -> None:
+    from redis_servers import RedisServer, require_redis
+    require_redis()
+    server = RedisServer(tmp_path)
+    try:
+        server.cli("ACL", "SETUSER", "noscripts", "on", ">pw", "~*", "+@all", "-@scripting")
+        client = RemoteClient(remote_cfg(f"redis://noscripts:pw@127.0.0.1:{server.port}/0"))
+        assert client.set_nx_many([(b"a", b"v"), (b"b", b"v")], 100) == [True, True]
+        assert client.leading_present([[b"a", b"b", b"c"], [b"c", b"a"]]) == [2, 0]
+        assert client._script_sha is None  # EXISTS from now on
+        assert client.leading_present([[b"b", b"a"]]) == [2]
+        assert client.counters.errors == 0 and client.breaker.state == CLOSED
+    finally:
+        server.stop()
+
+
 def test_wrong_password_is_a_miss_and_opens_the_breaker(tmp_path) -> None:
     from redis_servers import RedisServer, require_redis
     require_redis()
@@ -179,6 +206,7 @@ def test_cluster_pipelines_span_slots(redis_cluster) -> None:  # noqa: F811
     assert client.set_nx_many([(k, k[-8:]) for k in keys], 60) == [True] * 40
     assert client.get_many(keys) == [k[-8:] for k in keys]
     assert client.exists_flags(keys + [b"absent"]) == [True] * 40 + [False]
+    assert client.leading_present([keys[:10] + [b"absent"] + keys[10:], keys]) == [10, 40]  # no script: EXISTS
     per_node = [int(n.cli("DBSIZE")) for n in redis_cluster]
     assert sum(per_node) == 40 and min(per_node) > 0  # the keys really spread over the three masters
     assert client.counters.errors == 0
