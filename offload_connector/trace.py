@@ -9,8 +9,10 @@ Invariants kept here:
   1-based line number, the key and what is allowed; blank lines are skipped.
 - Token synthesis is a pure function of the hash id: equal hash ids always give equal token blocks, so
   the engine's chained block hashes reproduce the trace's chains; distinct ids give distinct blocks.
-- `scaled=True` makes one trace block one engine block: `block_size` tokens per hash id (the prompt is
-  `len(hash_ids) * block_size` tokens) and the output length is scaled by `block_size / 512`.
+- `scaled=True` makes one trace block one engine block: `block_size` tokens per full hash id, and the
+  output length scaled by `block_size / 512`. A partial last block stays partial: its tokens are scaled
+  the same way (rounded down, at least one), so the engine caches (hashes) exactly the blocks it would
+  cache at full size, never the tail a full-size prompt leaves partial.
 
 Imports nothing from the project and no torch.
 """
@@ -114,7 +116,14 @@ def _mix(hash_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 
 def prompt_length(req: TraceRequest, block_size: int, scaled: bool) -> int:
-    return len(req.hash_ids) * block_size if scaled else req.input_length
+    """Prompt tokens: as recorded, or scaled (full blocks `block_size` each, a partial tail scaled down,
+    at least one token, and still shorter than a block)."""
+    if not scaled:
+        return req.input_length
+    full, tail = divmod(req.input_length, TRACE_BLOCK_TOKENS)
+    if tail == 0:
+        return full * block_size
+    return full * block_size + min(block_size - 1, max(1, tail * block_size // TRACE_BLOCK_TOKENS))
 
 
 def output_length(req: TraceRequest, block_size: int, scaled: bool) -> int:
