@@ -1,8 +1,11 @@
 """Mooncake-format request traces: reading them and turning hash ids into token ids.
 
-A trace is JSON Lines, one request per line: `timestamp` (ms), `input_length` (prompt tokens),
-`output_length` (tokens to generate) and `hash_ids` (one id per 512-token block of the prompt; ids are
-chained, so equal ids at the same position mean equal prefixes).
+A trace is JSON Lines (gzip-compressed when the name ends in `.gz`), one request per line: `timestamp` (ms),
+`input_length` (prompt tokens), `output_length` (tokens to generate), `hash_ids` (one id per 512-token block
+of the prompt; ids are chained, so equal ids at the same position mean equal prefixes) and optionally
+`session` (the client session that issued the request; a session's last line is its last request).
+Two traces are bundled (`BUNDLED_TRACES`, by name): `synthetic` (Mooncake) and `agentic` (coding-agent
+sessions, with `session`); see offload_connector/data/NOTICE*.
 
 Invariants kept here:
 - `read_trace` either returns every request of the file or raises `TraceError` naming the file, the
@@ -19,6 +22,7 @@ Imports nothing from the project and no torch.
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -29,6 +33,7 @@ import numpy as np
 TRACE_BLOCK_TOKENS = 512
 VOCAB_SIZE = 32000
 BUNDLED_TRACE = "mooncake_synthetic_trace.jsonl"
+BUNDLED_TRACES = {"synthetic": BUNDLED_TRACE, "agentic": "agentic_trace.jsonl.gz"}  # name -> file in data/
 
 
 class TraceError(ValueError):
@@ -40,14 +45,24 @@ class TraceRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     input_length: int
     output_length: int
     hash_ids: list[int]
+    session: str | None = None
 
 
 _decoder = msgspec.json.Decoder(TraceRequest)
 
 
-def bundled_trace_path() -> Path:
-    """Path of the bundled Mooncake synthetic trace (Apache-2.0, see offload_connector/data/NOTICE)."""
-    return Path(str(resources.files("offload_connector.data").joinpath(BUNDLED_TRACE)))
+def bundled_trace_path(name: str = "synthetic") -> Path:
+    """Path of a bundled trace by name (`BUNDLED_TRACES`; Apache-2.0, see offload_connector/data/NOTICE*)."""
+    if name not in BUNDLED_TRACES:
+        raise TraceError(f"unknown bundled trace {name!r}; allowed: {', '.join(BUNDLED_TRACES)}")
+    return Path(str(resources.files("offload_connector.data").joinpath(BUNDLED_TRACES[name])))
+
+
+def resolve_trace(name_or_path: str | None) -> Path:
+    """A bundled trace's name (or None: `synthetic`) or a file path, as a path."""
+    if name_or_path is None or name_or_path in BUNDLED_TRACES:
+        return bundled_trace_path(name_or_path or "synthetic")
+    return Path(name_or_path)
 
 
 def _check(path: str, lineno: int, req: TraceRequest) -> None:
@@ -72,22 +87,30 @@ def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
     """Yield the requests of a trace file in order; raise TraceError at the first malformed line."""
     name = str(path)
     try:
-        fh = open(path, "rb")
+        fh = gzip.open(path, "rb") if name.endswith(".gz") else open(path, "rb")
     except OSError as exc:
         raise TraceError(f"cannot open trace {name!r}: {exc.strerror}") from None
     with fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                req = _decoder.decode(line)
-            except msgspec.ValidationError as exc:
-                raise TraceError(f"{name}:{lineno}: {exc}; expected keys timestamp, input_length, "
-                                 "output_length (ints), hash_ids (list of ints)") from None
-            except msgspec.DecodeError as exc:
-                raise TraceError(f"{name}:{lineno}: not a JSON object ({exc})") from None
-            _check(name, lineno, req)
-            yield req
+        lineno = 0
+        try:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                yield _decode_line(name, lineno, line)
+        except (OSError, EOFError) as exc:  # a broken gzip stream
+            raise TraceError(f"{name}:{lineno + 1}: cannot read ({exc})") from None
+
+
+def _decode_line(name: str, lineno: int, line: bytes) -> TraceRequest:
+    try:
+        req = _decoder.decode(line)
+    except msgspec.ValidationError as exc:
+        raise TraceError(f"{name}:{lineno}: {exc}; expected keys timestamp, input_length, "
+                         "output_length (ints), hash_ids (list of ints), optional session (a string)") from None
+    except msgspec.DecodeError as exc:
+        raise TraceError(f"{name}:{lineno}: not a JSON object ({exc})") from None
+    _check(name, lineno, req)
+    return req
 
 
 def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
