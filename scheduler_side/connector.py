@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 from offload_connector.config import OffloadConfig
 from offload_connector.hashing import with_group_id
 from offload_connector.metadata import TransferMetadata
+from scheduler_side.admission import AdmissionFilter
 from scheduler_side.block_pool import BlockPool
 from scheduler_side.completions import Completions, KVEvent
 from scheduler_side.errors import SchedulerError
 from scheduler_side.free_queue import Block
+from scheduler_side.hints import parse_hints
 from scheduler_side.interfaces import GpuPool, RequestLike, StepRequest
 from scheduler_side.lazy_policy import LazyStorePolicy
 from scheduler_side.policy_view import SchedulerView
@@ -59,6 +61,7 @@ class OffloadScheduler(Completions):
     num_gpu_blocks: int | None = None  # the engine's GPU pool size (ARC remembers GPU + CPU reused keys)
     emit_kv_events: bool = True  # collect BlockStored/BlockRemoved for `take_events` (off: none kept)
     cpu_pool: BlockPool = field(init=False)
+    admission: AdmissionFilter = field(init=False)
     stats: SchedulerStats = field(init=False, default_factory=SchedulerStats)
 
     def __post_init__(self) -> None:
@@ -67,6 +70,9 @@ class OffloadScheduler(Completions):
         self.cpu_pool = BlockPool(self.num_cpu_blocks, on_evict=self._on_cpu_evict,
                                   eviction=self.config.eviction,
                                   history=self.num_cpu_blocks + (self.num_gpu_blocks or self.num_cpu_blocks))
+        # Remembers the keys of several times what both tiers hold: a superseded branch is recent.
+        self.admission = AdmissionFilter(4 * (self.num_cpu_blocks + (self.num_gpu_blocks or self.num_cpu_blocks)),
+                                         branch_filter=self.config.branch_filter)
         self._arc = self.cpu_pool.eviction == "arc"  # ARC hints cost a loop per lookup; LRU needs none
         self._requests: dict[str, RequestState] = {}
         self._loads_to_send: list[RequestState] = []  # load jobs created since the last metadata
@@ -75,7 +81,8 @@ class OffloadScheduler(Completions):
         self._next_store_event = 0
         self._kv_events: list[KVEvent] = []
         self._view = SchedulerView(self.cpu_pool, self.gpu_pool, self._store_events, self.block_size,
-                                   self.group_id, self.max_blocks_per_step, self.config.lazy_lookahead_blocks)
+                                   self.group_id, self.max_blocks_per_step, self.config.lazy_lookahead_blocks,
+                                   self.admission)
         self.policy: StorePolicy = make_store_policy(self.config, self._view)
 
     # ------------------------------------------------------------------ 1. lookup
@@ -179,6 +186,7 @@ class OffloadScheduler(Completions):
             self.stats.num_lookup_tokens += max(0, request.num_tokens - state.num_gpu_hit_blocks * self.block_size)
             if self._arc:
                 self._note_reuse(state, state.num_gpu_hit_blocks + n)
+            self._admit_keys(state, extends=True, first_new=state.num_gpu_hit_blocks + n)
             cpu_pool = self.cpu_pool
             for key in self.policy.on_allocated(state, state.num_gpu_hit_blocks):
                 block = cpu_pool.lookup(key)
@@ -217,6 +225,42 @@ class OffloadScheduler(Completions):
             raise SchedulerError(f"request {rid}: {len(gpu_block_ids)} GPU blocks cannot hold a load of {n} "
                                  f"blocks after {start} GPU-hit blocks")
         return n
+
+    def _admit_keys(self, state: RequestState, extends: bool, first_new: int = 0) -> None:
+        """Tell the admission filter the request's block keys (all of them when admitted, with `extends`;
+        those completed since, without; `first_new`: its first computed block); drop the CPU copies of keys
+        that died. O(blocks walked)."""
+        if state.hints is None:
+            state.hints, problem = parse_hints(getattr(state.request, "kv_transfer_params", None))
+            if problem is not None:
+                self.stats.num_bad_hints += 1
+                logger.warning("request %s: ignoring its hints: %s", state.request_id, problem)
+        hints, hashes, group = state.hints, state.request.block_hashes, self.group_id
+        start = 0 if extends else state.num_admitted_keys
+        base = max(0, start - 1)  # the parent of the first new key
+        keys = [with_group_id(hashes[i], group) for i in range(base, len(hashes))]
+        died = self.admission.admit_request(keys, hints.session, hints.store, max(0, first_new - base),
+                                            start - base, extends)
+        state.num_admitted_keys = len(hashes)
+        cpu_pool = self.cpu_pool
+        for key in died:
+            block = cpu_pool.lookup(key)
+            if block is not None and cpu_pool.discard(block):
+                self.stats.num_dropped_blocks += 1
+
+    def close_session(self, session: str) -> int:
+        """The client's session ended: the CPU copies of blocks only it used go to the eviction end (oldest
+        use nearest the head) and those blocks are not stored again unless requested again. Returns how
+        many CPU copies moved. O(blocks the session used)."""
+        keys = self.admission.close_session(session)
+        self.stats.num_closed_sessions += 1
+        cpu_pool, demoted = self.cpu_pool, 0
+        for key in reversed(keys):  # each goes to the head: the oldest ends nearest it
+            block = cpu_pool.lookup(key)
+            if block is not None and cpu_pool.demote(block):
+                demoted += 1
+        self.stats.num_demoted_blocks += demoted
+        return demoted
 
     # ------------------------------------------------------------------ 3. step metadata
     def build_connector_meta(self, scheduled: Iterable[StepRequest]) -> TransferMetadata:
@@ -294,6 +338,10 @@ class OffloadScheduler(Completions):
         if state is None:
             return False, None
         self._drop_pending_hit(state)
+        if state.num_admitted_keys:  # the blocks it completed since admission (its output) join the tree
+            self._admit_keys(state, extends=False)
+            if state.hints is not None and state.hints.close_session and state.hints.session is not None:
+                self.close_session(state.hints.session)
         hold = self.policy.on_request_finished(state)
         if hold:  # released by the policy's next pick_stores, after the store event took its own
             self.gpu_pool.touch(hold)
