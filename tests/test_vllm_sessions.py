@@ -20,11 +20,11 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from test_vllm_e2e import close, make_llm, tokens  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 
 from offload_connector.vllm_sessions import SessionCloseError, close_session, session_params  # noqa: E402
-from test_vllm_e2e import close, make_llm, tokens  # noqa: E402
 
 SHARED = tokens(21, 64)  # two blocks both sessions use
 A1, A2, B1 = SHARED + tokens(22, 96), SHARED + tokens(23, 96), SHARED + tokens(24, 96)
