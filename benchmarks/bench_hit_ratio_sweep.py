@@ -17,7 +17,7 @@ compute at least one prompt token (scaled prompts end on a block boundary).
 Extra points at `--one-at-a-time-cpu`: every series one request at a time (`engine.max_num_seqs: 1`), and
 the engine's own ceiling for an exclusive tier: no CPU tier and a GPU of GPU + CPU blocks, both ways.
 
-    nice python benchmarks/bench_hit_ratio.py [--json] [--plot [FILE]] [--jobs 2] [--from-json FILE]
+    nice python benchmarks/bench_hit_ratio_sweep.py [--json] [--plot [FILE]] [--jobs 2] [--from-json FILE]
 """
 
 from __future__ import annotations
