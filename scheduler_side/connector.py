@@ -26,11 +26,11 @@ from offload_connector.config import OffloadConfig
 from offload_connector.hashing import with_group_id
 from offload_connector.metadata import TransferMetadata
 from scheduler_side.admission import AdmissionFilter
+from scheduler_side.admission_hooks import Admissions
 from scheduler_side.block_pool import BlockPool
 from scheduler_side.completions import Completions, KVEvent
 from scheduler_side.errors import SchedulerError
 from scheduler_side.free_queue import Block
-from scheduler_side.hints import parse_hints
 from scheduler_side.interfaces import GpuPool, RequestLike, StepRequest
 from scheduler_side.lazy_policy import LazyStorePolicy
 from scheduler_side.policy_view import SchedulerView
@@ -50,7 +50,7 @@ def make_store_policy(config: OffloadConfig, view: PolicyView) -> StorePolicy:
 
 
 @dataclass
-class OffloadScheduler(Completions):
+class OffloadScheduler(Completions, Admissions):
     config: OffloadConfig
     block_size: int
     num_cpu_blocks: int
@@ -225,42 +225,6 @@ class OffloadScheduler(Completions):
             raise SchedulerError(f"request {rid}: {len(gpu_block_ids)} GPU blocks cannot hold a load of {n} "
                                  f"blocks after {start} GPU-hit blocks")
         return n
-
-    def _admit_keys(self, state: RequestState, extends: bool, first_new: int = 0) -> None:
-        """Tell the admission filter the request's block keys (all of them when admitted, with `extends`;
-        those completed since, without; `first_new`: its first computed block); drop the CPU copies of keys
-        that died. O(blocks walked)."""
-        if state.hints is None:
-            state.hints, problem = parse_hints(getattr(state.request, "kv_transfer_params", None))
-            if problem is not None:
-                self.stats.num_bad_hints += 1
-                logger.warning("request %s: ignoring its hints: %s", state.request_id, problem)
-        hints, hashes, group = state.hints, state.request.block_hashes, self.group_id
-        start = 0 if extends else state.num_admitted_keys
-        base = max(0, start - 1)  # the parent of the first new key
-        keys = [with_group_id(hashes[i], group) for i in range(base, len(hashes))]
-        died = self.admission.admit_request(keys, hints.session, hints.store, max(0, first_new - base),
-                                            start - base, extends)
-        state.num_admitted_keys = len(hashes)
-        cpu_pool = self.cpu_pool
-        for key in died:
-            block = cpu_pool.lookup(key)
-            if block is not None and cpu_pool.discard(block):
-                self.stats.num_dropped_blocks += 1
-
-    def close_session(self, session: str) -> int:
-        """The client's session ended: the CPU copies of blocks only it used go to the eviction end (oldest
-        use nearest the head) and those blocks are not stored again unless requested again. Returns how
-        many CPU copies moved. O(blocks the session used)."""
-        keys = self.admission.close_session(session)
-        self.stats.num_closed_sessions += 1
-        cpu_pool, demoted = self.cpu_pool, 0
-        for key in reversed(keys):  # each goes to the head: the oldest ends nearest it
-            block = cpu_pool.lookup(key)
-            if block is not None and cpu_pool.demote(block):
-                demoted += 1
-        self.stats.num_demoted_blocks += demoted
-        return demoted
 
     # ------------------------------------------------------------------ 3. step metadata
     def build_connector_meta(self, scheduled: Iterable[StepRequest]) -> TransferMetadata:
