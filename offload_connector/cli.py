@@ -13,12 +13,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-from offload_connector.trace import bundled_trace_path, read_trace
+from offload_connector.trace import BUNDLED_TRACES, read_trace, resolve_trace
 
 # With no --trace: the bundled trace, scaled, on a GPU pool of 5% and a CPU tier of 10% of its 43,924
 # distinct blocks (the sizes of the references in the trace's README) unless --config or flags set sizes.
 BUNDLED_GPU_BLOCKS = 2196
 BUNDLED_CPU_BLOCKS = 4392
+# The same for each bundled trace by name: (GPU, CPU) = 5% / 10% of its distinct blocks (agentic: 53,159).
+BUNDLED_SIZES = {"synthetic": (BUNDLED_GPU_BLOCKS, BUNDLED_CPU_BLOCKS), "agentic": (2658, 5316)}
 
 
 def _positive(text: str) -> int:
@@ -51,14 +53,21 @@ def build_parser() -> argparse.ArgumentParser:
                     f"block = one engine block), {BUNDLED_GPU_BLOCKS} GPU and {BUNDLED_CPU_BLOCKS} CPU "
                     "blocks (5% and 10% of its distinct blocks).")  # a description is not %-formatted
     rp.add_argument("--config", metavar="FILE", help="YAML config (default: the embedded default.yaml)")
-    rp.add_argument("--trace", metavar="FILE",
-                    help="Mooncake-format JSONL trace (default: the bundled Mooncake synthetic trace)")
+    rp.add_argument("--trace", metavar="FILE|NAME",
+                    help="Mooncake-format JSONL trace (.gz read too), or a bundled trace by name: "
+                         f"{', '.join(BUNDLED_TRACES)} (default: synthetic, the Mooncake synthetic trace)")
     rp.add_argument("--gpu-blocks", type=_positive, metavar="N", help="override engine.num_gpu_blocks")
     rp.add_argument("--cpu-blocks", type=_positive, metavar="N", help="override num_cpu_blocks")
     rp.add_argument("--store-policy", choices=["eager", "lazy"], help="override store_policy")
     rp.add_argument("--eviction", choices=["lru", "arc"], help="override eviction (the CPU tier's replacement)")
     rp.add_argument("--max-num-seqs", type=_positive, metavar="N",
                     help="override engine.max_num_seqs (1: one request at a time, like the trace's references)")
+    rp.add_argument("--no-branch-filter", action="store_true",
+                    help="set branch_filter: false (keep superseded branches in the CPU tier)")
+    rp.add_argument("--no-session-close", action="store_true",
+                    help="never close a trace's sessions (default: after each session's last request)")
+    rp.add_argument("--session-close-delay", type=float, default=0.0, metavar="S",
+                    help="close a session S seconds of trace time after its last request (default 0: with it)")
     rp.add_argument("--scaled", action="store_true",
                     help="one trace block = one engine block (block_size tokens per hash id, outputs scaled "
                          "alike): full traces replay in minutes (always on for the bundled trace unless "
@@ -84,7 +93,8 @@ def _pool_sizes(args: argparse.Namespace, bundled_scaled: bool) -> tuple[int | N
                  "cpu_blocks": any(k in data for k in ("num_cpu_blocks", "cpu_bytes", "cpu_bytes_to_use"))
                  or "num_cpu_blocks" in engine}
     sizes: dict[str, int | None] = {"gpu_blocks": args.gpu_blocks, "cpu_blocks": args.cpu_blocks}
-    bundled_default = {"gpu_blocks": BUNDLED_GPU_BLOCKS, "cpu_blocks": BUNDLED_CPU_BLOCKS}
+    gpu_default, cpu_default = BUNDLED_SIZES[args.trace or "synthetic"] if bundled_scaled else (0, 0)
+    bundled_default = {"gpu_blocks": gpu_default, "cpu_blocks": cpu_default}
     sources = {}
     for key in sizes:
         if sizes[key] is not None:
@@ -108,23 +118,28 @@ def _replay(args: argparse.Namespace) -> int:
         except ImportError:
             print("error: --plot needs matplotlib: pip install 'offload-connector[plot]'", file=sys.stderr)
             return 2
-    if args.full_size and (args.scaled or args.trace is not None):
+    if args.full_size and (args.scaled or args.trace not in (None, "synthetic")):
         print("error: --full-size applies to the bundled trace unscaled; it cannot go with --scaled or --trace",
               file=sys.stderr)
         return 2
-    bundled = args.trace is None
+    if not args.session_close_delay >= 0:  # also refuses nan
+        print(f"error: --session-close-delay: got {args.session_close_delay}; allowed: seconds >= 0",
+              file=sys.stderr)
+        return 2
+    bundled = args.trace is None or args.trace in BUNDLED_TRACES
     scaled = args.scaled or (bundled and not args.full_size)
+    trace = str(resolve_trace(args.trace))
+    requests = read_trace(trace, limit=args.limit)
     gpu_blocks, cpu_blocks, sizes_from = _pool_sizes(args, bundled and scaled)
     config = replay_config(args.config, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
                            store_policy=args.store_policy, eviction=args.eviction,
-                           max_num_seqs=args.max_num_seqs)
-    trace = args.trace or str(bundled_trace_path())
-    requests = read_trace(trace, limit=args.limit)
+                           max_num_seqs=args.max_num_seqs, branch_filter=False if args.no_branch_filter else None)
     if not requests:
         print(f"warning: trace {trace} holds no request", file=sys.stderr)
     bar = None if args.quiet else ProgressBar()
     try:
-        result = run_replay(config, requests, scaled=scaled, trace_name=trace, progress=bar)
+        result = run_replay(config, requests, scaled=scaled, trace_name=trace, progress=bar,
+                            session_close=not args.no_session_close, session_close_delay=args.session_close_delay)
     finally:
         if bar is not None:
             bar.close()

@@ -67,6 +67,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lazy_lookahead_blocks: NonNegativeInt | None = None
     max_store_wait_steps: NonNegativeInt = 8
     eviction: Literal["lru", "arc"] = "lru"
+    branch_filter: bool = False  # drop superseded branches from the CPU tier (scheduler_side/admission.py)
     transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
     hash_algo: Literal["xxh3_128", "sha256"] = "xxh3_128"
     metrics: bool = True

@@ -5,7 +5,13 @@ validated by `load_config`). `run_replay(...)` feeds the trace's requests in ord
 `2 * max_num_seqs` of them queued (a request is built only when it is about to be admitted, so memory stays
 bounded on full-size traces; the engine keeps no finished request's output tokens), steps the engine until
 everything finished, drains the transfers and checks for leaks. An `IntegrityError` stops the replay; the
-result then carries `integrity_errors > 0` and the message. Trace timestamps only give the order.
+result then carries `integrity_errors > 0` and the message. Trace timestamps give the order, and the time
+of delayed session closes.
+
+Sessions (a trace's `session` field): each request carries its session as a hint (`kv_transfer_params`).
+With `session_close` (default), a session is closed after its last request: by a `close_session` hint on
+that request, or with `session_close_delay` > 0 by a `close_session` call when the replay first feeds a
+request at least that many seconds of trace time after the session's last request.
 The replay runs torch on one intra-op thread (restored afterwards): the fake engine's tensor operations are
 small, and on a shared 2-core machine extra threads made replays up to 8 times slower, never faster.
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +73,7 @@ class ReplayResult:
 
 def replay_config(config: str | Path | Mapping[str, Any] | None = None, *, gpu_blocks: int | None = None,
                   cpu_blocks: int | None = None, store_policy: str | None = None, eviction: str | None = None,
-                  max_num_seqs: int | None = None) -> OffloadConfig:
+                  max_num_seqs: int | None = None, branch_filter: bool | None = None) -> OffloadConfig:
     """The replay's config: the file (or mapping, or the embedded default) with the overrides applied."""
     data = config_source_dict(config)
     override: dict[str, Any] = {}
@@ -83,6 +90,8 @@ def replay_config(config: str | Path | Mapping[str, Any] | None = None, *, gpu_b
         override["num_cpu_blocks"] = cpu_blocks
     if store_policy is not None:
         override["store_policy"] = store_policy
+    if branch_filter is not None:
+        override["branch_filter"] = branch_filter
     return load_config(merge_configs(data, override))
 
 
@@ -90,18 +99,51 @@ ProgressFn = Callable[[int, int, EngineStats], None]
 
 
 def run_replay(config: OffloadConfig, requests: list[TraceRequest], *, scaled: bool, trace_name: str = "",
-               progress: ProgressFn | None = None) -> ReplayResult:
-    """Replay `requests` in order through a FakeEngine with the connector; never raises IntegrityError."""
+               progress: ProgressFn | None = None, session_close: bool = True,
+               session_close_delay: float = 0.0) -> ReplayResult:
+    """Replay `requests` in order through a FakeEngine with the connector; never raises IntegrityError.
+    `session_close`/`session_close_delay` (seconds of trace time): see the module docstring."""
+    if session_close_delay < 0:
+        raise ValueError(f"session_close_delay: got {session_close_delay}; allowed: seconds >= 0")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run_replay(config, requests, scaled, trace_name, progress)
+        closes = SessionCloses(requests, session_close, session_close_delay)
+        return _run_replay(config, requests, scaled, trace_name, progress, closes)
     finally:
         torch.set_num_threads(threads)
 
 
+class SessionCloses:
+    """When the replay closes each session: the hints of request `i`, and the sessions due at a time."""
+
+    def __init__(self, requests: list[TraceRequest], enabled: bool, delay: float) -> None:
+        last: dict[str, int] = {}
+        for i, req in enumerate(requests):
+            if req.session is not None:
+                last[req.session] = i
+        self.enabled, self.delay = enabled, delay
+        self.last_index = {i: s for s, i in last.items()}  # index of a session's last request -> session
+        # Delayed: (due time in ms, session), in order of due time (last requests come in trace order).
+        self.due: deque[tuple[float, str]] = deque(sorted(
+            (requests[i].timestamp + 1000 * delay, s) for s, i in last.items())) if enabled and delay else deque()
+
+    def hints(self, index: int, req: TraceRequest) -> dict | None:
+        if req.session is None:
+            return None
+        close = self.enabled and not self.delay and self.last_index.get(index) == req.session
+        return {"session": req.session, "close_session": True} if close else {"session": req.session}
+
+    def take_due(self, now: float | None) -> list[str]:
+        """Sessions whose delayed close is due at trace time `now` (ms; None: the end, all of them)."""
+        out = []
+        while self.due and (now is None or self.due[0][0] <= now):
+            out.append(self.due.popleft()[1])
+        return out
+
+
 def _run_replay(config: OffloadConfig, requests: list[TraceRequest], scaled: bool, trace_name: str,
-                progress: ProgressFn | None) -> ReplayResult:
+                progress: ProgressFn | None, closes: SessionCloses) -> ReplayResult:
     eng = config.engine
     start = time.perf_counter()
     error = None
@@ -114,8 +156,12 @@ def _run_replay(config: OffloadConfig, requests: list[TraceRequest], scaled: boo
             while next_index < total or engine.has_unfinished():
                 while next_index < total and len(engine.scheduler.waiting) < max_queued:
                     req = requests[next_index]
+                    for session in closes.take_due(req.timestamp):
+                        if engine.connector is not None:
+                            engine.connector.close_session(session)
                     engine.add_request(f"req-{next_index}", prompt_tokens(req, eng.block_size, scaled),
-                                       output_length(req, eng.block_size, scaled))
+                                       output_length(req, eng.block_size, scaled),
+                                       closes.hints(next_index, req))
                     next_index += 1
                 engine.step()
                 if progress is not None:

@@ -1,22 +1,28 @@
 """Mooncake-format request traces: reading them and turning hash ids into token ids.
 
-A trace is JSON Lines, one request per line: `timestamp` (ms), `input_length` (prompt tokens),
-`output_length` (tokens to generate) and `hash_ids` (one id per 512-token block of the prompt; ids are
-chained, so equal ids at the same position mean equal prefixes).
+A trace is JSON Lines (gzip-compressed when the name ends in `.gz`), one request per line: `timestamp` (ms),
+`input_length` (prompt tokens), `output_length` (tokens to generate), `hash_ids` (one id per 512-token block
+of the prompt; ids are chained, so equal ids at the same position mean equal prefixes) and optionally
+`session` (the client session that issued the request; a session's last line is its last request).
+Two traces are bundled (`BUNDLED_TRACES`, by name): `synthetic` (Mooncake) and `agentic` (coding-agent
+sessions, with `session`); see offload_connector/data/NOTICE*.
 
 Invariants kept here:
 - `read_trace` either returns every request of the file or raises `TraceError` naming the file, the
   1-based line number, the key and what is allowed; blank lines are skipped.
 - Token synthesis is a pure function of the hash id: equal hash ids always give equal token blocks, so
   the engine's chained block hashes reproduce the trace's chains; distinct ids give distinct blocks.
-- `scaled=True` makes one trace block one engine block: `block_size` tokens per hash id (the prompt is
-  `len(hash_ids) * block_size` tokens) and the output length is scaled by `block_size / 512`.
+- `scaled=True` makes one trace block one engine block: `block_size` tokens per full hash id, and the
+  output length scaled by `block_size / 512`. A partial last block stays partial: its tokens are scaled
+  the same way (rounded down, at least one), so the engine caches (hashes) exactly the blocks it would
+  cache at full size, never the tail a full-size prompt leaves partial.
 
 Imports nothing from the project and no torch.
 """
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -27,6 +33,7 @@ import numpy as np
 TRACE_BLOCK_TOKENS = 512
 VOCAB_SIZE = 32000
 BUNDLED_TRACE = "mooncake_synthetic_trace.jsonl"
+BUNDLED_TRACES = {"synthetic": BUNDLED_TRACE, "agentic": "agentic_trace.jsonl.gz"}  # name -> file in data/
 
 
 class TraceError(ValueError):
@@ -38,14 +45,24 @@ class TraceRequest(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     input_length: int
     output_length: int
     hash_ids: list[int]
+    session: str | None = None
 
 
 _decoder = msgspec.json.Decoder(TraceRequest)
 
 
-def bundled_trace_path() -> Path:
-    """Path of the bundled Mooncake synthetic trace (Apache-2.0, see offload_connector/data/NOTICE)."""
-    return Path(str(resources.files("offload_connector.data").joinpath(BUNDLED_TRACE)))
+def bundled_trace_path(name: str = "synthetic") -> Path:
+    """Path of a bundled trace by name (`BUNDLED_TRACES`; Apache-2.0, see offload_connector/data/NOTICE*)."""
+    if name not in BUNDLED_TRACES:
+        raise TraceError(f"unknown bundled trace {name!r}; allowed: {', '.join(BUNDLED_TRACES)}")
+    return Path(str(resources.files("offload_connector.data").joinpath(BUNDLED_TRACES[name])))
+
+
+def resolve_trace(name_or_path: str | None) -> Path:
+    """A bundled trace's name (or None: `synthetic`) or a file path, as a path."""
+    if name_or_path is None or name_or_path in BUNDLED_TRACES:
+        return bundled_trace_path(name_or_path or "synthetic")
+    return Path(name_or_path)
 
 
 def _check(path: str, lineno: int, req: TraceRequest) -> None:
@@ -70,22 +87,30 @@ def iter_trace(path: str | Path) -> Iterator[TraceRequest]:
     """Yield the requests of a trace file in order; raise TraceError at the first malformed line."""
     name = str(path)
     try:
-        fh = open(path, "rb")
+        fh = gzip.open(path, "rb") if name.endswith(".gz") else open(path, "rb")
     except OSError as exc:
         raise TraceError(f"cannot open trace {name!r}: {exc.strerror}") from None
     with fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                req = _decoder.decode(line)
-            except msgspec.ValidationError as exc:
-                raise TraceError(f"{name}:{lineno}: {exc}; expected keys timestamp, input_length, "
-                                 "output_length (ints), hash_ids (list of ints)") from None
-            except msgspec.DecodeError as exc:
-                raise TraceError(f"{name}:{lineno}: not a JSON object ({exc})") from None
-            _check(name, lineno, req)
-            yield req
+        lineno = 0
+        try:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                yield _decode_line(name, lineno, line)
+        except (OSError, EOFError) as exc:  # a broken gzip stream
+            raise TraceError(f"{name}:{lineno + 1}: cannot read ({exc})") from None
+
+
+def _decode_line(name: str, lineno: int, line: bytes) -> TraceRequest:
+    try:
+        req = _decoder.decode(line)
+    except msgspec.ValidationError as exc:
+        raise TraceError(f"{name}:{lineno}: {exc}; expected keys timestamp, input_length, "
+                         "output_length (ints), hash_ids (list of ints), optional session (a string)") from None
+    except msgspec.DecodeError as exc:
+        raise TraceError(f"{name}:{lineno}: not a JSON object ({exc})") from None
+    _check(name, lineno, req)
+    return req
 
 
 def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
@@ -114,7 +139,14 @@ def _mix(hash_ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 
 def prompt_length(req: TraceRequest, block_size: int, scaled: bool) -> int:
-    return len(req.hash_ids) * block_size if scaled else req.input_length
+    """Prompt tokens: as recorded, or scaled (full blocks `block_size` each, a partial tail scaled down,
+    at least one token, and still shorter than a block)."""
+    if not scaled:
+        return req.input_length
+    full, tail = divmod(req.input_length, TRACE_BLOCK_TOKENS)
+    if tail == 0:
+        return full * block_size
+    return full * block_size + min(block_size - 1, max(1, tail * block_size // TRACE_BLOCK_TOKENS))
 
 
 def output_length(req: TraceRequest, block_size: int, scaled: bool) -> int:

@@ -133,6 +133,15 @@ class BlockPool:
         self.free_queue.appendleft(block)
         return True
 
+    def demote(self, block: Block) -> bool:
+        """Move a free cached block to the head of the free queue (evicted first), keeping its content
+        (still hit-able until then). Held blocks are left alone (False). With ARC: the head of its list."""
+        if block.ref_cnt != 0:
+            return False
+        self.free_queue.remove(block)
+        self.free_queue.appendleft(block)
+        return True
+
     def cache(self, block: Block, block_hash: bytes) -> bool:
         """Register `block` as holding `block_hash`. False (no change) if another block already does."""
         current = self.cached.get(block_hash)

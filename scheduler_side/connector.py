@@ -28,6 +28,8 @@ from offload_connector.config import OffloadConfig
 from offload_connector.hashing import with_group_id
 from offload_connector.metadata import TransferMetadata
 from offload_connector.remote_format import RemoteIdentity
+from scheduler_side.admission import AdmissionFilter
+from scheduler_side.admission_hooks import Admissions
 from scheduler_side.block_pool import BlockPool
 from scheduler_side.completions import Completions, KVEvent
 from scheduler_side.errors import SchedulerError
@@ -52,7 +54,7 @@ def make_store_policy(config: OffloadConfig, view: PolicyView) -> StorePolicy:
 
 
 @dataclass
-class OffloadScheduler(Completions):
+class OffloadScheduler(Completions, Admissions):
     config: OffloadConfig
     block_size: int
     num_cpu_blocks: int
@@ -64,6 +66,7 @@ class OffloadScheduler(Completions):
     emit_kv_events: bool = True  # collect BlockStored/BlockRemoved for `take_events` (off: none kept)
     remote_identity: RemoteIdentity | None = None  # what the remote tier's keys name (config.remote only)
     cpu_pool: BlockPool = field(init=False)
+    admission: AdmissionFilter = field(init=False)
     stats: SchedulerStats = field(init=False, default_factory=SchedulerStats)
 
     def __post_init__(self) -> None:
@@ -72,6 +75,9 @@ class OffloadScheduler(Completions):
         self.cpu_pool = BlockPool(self.num_cpu_blocks, on_evict=self._on_cpu_evict,
                                   eviction=self.config.eviction,
                                   history=self.num_cpu_blocks + (self.num_gpu_blocks or self.num_cpu_blocks))
+        # Remembers the keys of several times what both tiers hold: a superseded branch is recent.
+        self.admission = AdmissionFilter(4 * (self.num_cpu_blocks + (self.num_gpu_blocks or self.num_cpu_blocks)),
+                                         branch_filter=self.config.branch_filter)
         self._arc = self.cpu_pool.eviction == "arc"  # ARC hints cost a loop per lookup; LRU needs none
         self._requests: dict[str, RequestState] = {}
         self._loads_to_send: list[RequestState] = []  # load jobs created since the last metadata
@@ -80,7 +86,8 @@ class OffloadScheduler(Completions):
         self._next_store_event = 0
         self._kv_events: list[KVEvent] = []
         self._view = SchedulerView(self.cpu_pool, self.gpu_pool, self._store_events, self.block_size,
-                                   self.group_id, self.max_blocks_per_step, self.config.lazy_lookahead_blocks)
+                                   self.group_id, self.max_blocks_per_step, self.config.lazy_lookahead_blocks,
+                                   self.admission)
         self.policy: StorePolicy = make_store_policy(self.config, self._view)
         self.remote: RemoteTier | None = make_remote_tier(self.config.remote, self.remote_identity, self.cpu_pool,
                                                           self._allocate_cpu, self.world_size, self.group_id)
@@ -193,6 +200,7 @@ class OffloadScheduler(Completions):
             self.stats.num_lookup_tokens += max(0, request.num_tokens - state.num_gpu_hit_blocks * self.block_size)
             if self._arc:
                 self._note_reuse(state, state.num_gpu_hit_blocks + n)
+            self._admit_keys(state, extends=True, first_new=state.num_gpu_hit_blocks + n)
             cpu_pool = self.cpu_pool
             for key in self.policy.on_allocated(state, state.num_gpu_hit_blocks):
                 block = cpu_pool.lookup(key)
@@ -314,6 +322,7 @@ class OffloadScheduler(Completions):
         self._drop_pending_hit(state)
         if self.remote is not None:
             self.remote.forget(state)
+        self._admit_finished(state)
         hold = self.policy.on_request_finished(state)
         if hold:  # released by the policy's next pick_stores, after the store event took its own
             self.gpu_pool.touch(hold)

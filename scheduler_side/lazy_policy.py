@@ -1,7 +1,7 @@
 """The lazy store policy (exclusive-leaning tier): store only what the GPU is about to evict.
 
 Only free, hashed GPU blocks within `lookahead` blocks of the GPU pool's eviction frontier that are not on
-the CPU yet are stored, so the GPU evicts only saved blocks. Saved GPU blocks return to their place in the
+the CPU yet (and not dead: see admission.py) are stored, so the GPU evicts only saved blocks. Saved GPU blocks return to their place in the
 GPU free queue (LRU order is kept), and CPU copies of blocks that were just loaded to the GPU, or that an
 admitted request hit on the GPU, are forgotten and go to the head of the CPU free queue (the GPU holds them
 now; the tiers stay mostly exclusive) while the CPU tier is under pressure (it evicted within the last
@@ -92,11 +92,11 @@ class LazyStorePolicy(StorePolicy):
         need = num_cpu_hit_blocks + (rest if bound is None else min(rest, bound))
         if need <= 0:
             return True
-        is_saved, unsaved = view.is_saved, 0
+        is_saved, is_dead, unsaved = view.is_saved, view.is_dead, 0
         for n, (_, key) in enumerate(view.gpu_eviction_candidates()):
             if n >= need:
                 break
-            if key is not None and not is_saved(key):
+            if key is not None and not is_saved(key) and not is_dead(key):
                 unsaved += 1
         # Worth a step only if the CPU tier can take them (a tiny tier would defer in vain).
         if unsaved == 0 or unsaved > view.cpu_num_free_blocks():
@@ -134,12 +134,12 @@ class LazyStorePolicy(StorePolicy):
         budget = float(self.lookahead + self._deficit)
         self._deficit = 0
         room = view.cpu_num_free_blocks() - len(picks.gpu_ids)
-        is_saved = view.is_saved
+        is_saved, is_dead = view.is_saved, view.is_dead
         for gpu_id, key in view.gpu_eviction_candidates():
             if budget <= 0:
                 break
             scanned.append((gpu_id, key))
-            if room > 0 and key is not None and key not in picked and not is_saved(key):
+            if room > 0 and key is not None and key not in picked and not is_saved(key) and not is_dead(key):
                 picked.add(key)
                 picks.gpu_ids.append(gpu_id)
                 picks.keys.append(key)
@@ -183,7 +183,7 @@ class LazyStorePolicy(StorePolicy):
                 break
             key = with_group_id(hashes[i], group)
             gpu_id = state.gpu_block_ids[i]
-            if gpu_id == 0 or key in self._held or view.is_saved(key):
+            if gpu_id == 0 or key in self._held or view.is_saved(key) or view.is_dead(key):
                 continue
             self._held[key] = gpu_id
             ids.append(gpu_id)

@@ -1,7 +1,7 @@
 """`SchedulerView`: the read-only window a store policy has on the scheduler (store_policy.PolicyView).
 
 It reads the CPU pool (cached and reserved keys, free blocks, evictions), the engine's GPU pool (free
-blocks, eviction frontier) and the outstanding store events; it changes nothing and holds no state of
+blocks, eviction frontier), the outstanding store events and the admission filter (`is_dead`); it changes nothing and holds no state of
 its own. The scheduler builds one and hands it to its policy, which never sees the scheduler itself.
 """
 
@@ -9,14 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
+from scheduler_side.admission import AdmissionFilter
 from scheduler_side.block_pool import BlockPool
 from scheduler_side.interfaces import GpuPool
 
 
 class SchedulerView:
     def __init__(self, cpu_pool: BlockPool, gpu_pool: GpuPool, store_events: Mapping[int, object], block_size: int,
-                 group_id: int, max_blocks_per_step: int | None, lazy_lookahead_blocks: int | None) -> None:
+                 group_id: int, max_blocks_per_step: int | None, lazy_lookahead_blocks: int | None,
+                 admission: AdmissionFilter) -> None:
         self._cpu, self._gpu, self._store_events = cpu_pool, gpu_pool, store_events
+        self.is_dead = admission.is_dead
         self._cached, self._reserved = cpu_pool.cached, cpu_pool.reserved
         self.block_size, self.group_id = block_size, group_id
         self.max_blocks_per_step, self.lazy_lookahead_blocks = max_blocks_per_step, lazy_lookahead_blocks

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from scheduler_side.errors import SchedulerError
 from scheduler_side.free_queue import Block
+from scheduler_side.hints import RequestHints
 from scheduler_side.interfaces import RequestLike
 
 
@@ -108,6 +109,8 @@ class RequestState:
     num_deferrals: int = 0  # lookups the store policy deferred to the next step (lazy: at most one)
     num_store_waits: int = 0  # lookups answered "ask again" for a block being stored (bounded by config)
     remote: RemoteWait | None = None  # the remote tier's one lookup for this request (none without the tier)
+    num_admitted_keys: int = 0  # block keys the admission filter has seen of this request (a cursor)
+    hints: RequestHints | None = None  # its kv_transfer_params hints, read at its first admission
 
     @property
     def request_id(self) -> str:

@@ -22,6 +22,10 @@ class SchedulerStats:
     num_failed_load_blocks: int = 0
     num_store_wait_timeouts: int = 0  # lookups that stopped waiting for a block's store (max_store_wait_steps)
     num_cpu_evictions: int = 0
+    num_dropped_blocks: int = 0  # CPU copies dropped because the admission filter killed their key
+    num_demoted_blocks: int = 0  # CPU copies moved to the eviction end by a session close
+    num_closed_sessions: int = 0
+    num_bad_hints: int = 0  # requests whose kv_transfer_params hints were malformed (ignored)
     bytes_stored: int = 0
     bytes_loaded: int = 0
     store_seconds: float = 0.0

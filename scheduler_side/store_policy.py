@@ -17,7 +17,7 @@ policy's own state and, where its docstring says so, the request's store cursor
    `pick_stores`, which lists them again in `release_gpu_ids`.
 
 - `EagerStorePolicy` (inclusive tier): every full, hashed block whose KV this step's forward completes,
-  unless it is already cached on the CPU or being stored. Cost per step: O(newly completed blocks).
+  unless it is already cached on the CPU or being stored, or dead (`PolicyView.is_dead`). Cost per step: O(newly completed blocks).
 - `LazyStorePolicy` (lazy_policy.py): blocks near the GPU's eviction frontier only.
 Imports nothing from the scheduler (its types come from request_state and interfaces).
 """
@@ -42,6 +42,10 @@ class PolicyView(Protocol):
 
     def is_saved(self, key: bytes) -> bool:
         """A copy of this content is on the CPU tier or being stored there."""
+
+    def is_dead(self, key: bytes) -> bool:
+        """The admission filter refuses this content (a superseded branch, a closed session, `store: false`):
+        never store it."""
 
     def is_store_outstanding(self, event_id: int) -> bool: ...
     def cpu_num_free_blocks(self) -> int: ...
@@ -125,11 +129,12 @@ class EagerStorePolicy(StorePolicy):
         hashes, gpu_block_ids = state.request.block_hashes, state.gpu_block_ids
         end = min(end, len(hashes), len(gpu_block_ids))
         group, picked, is_saved, picks = self.view.group_id, self._picked, self.view.is_saved, self._picks
+        is_dead = self.view.is_dead
         for i in range(start, end):
             key = with_group_id(hashes[i], group)
             gpu_id = gpu_block_ids[i]
-            if gpu_id == 0 or key in picked or is_saved(key):
-                continue  # the null block, or already picked, on the CPU or being stored
+            if gpu_id == 0 or key in picked or is_saved(key) or is_dead(key):
+                continue  # the null block, or already picked, on the CPU or being stored, or refused
             picked.add(key)
             picks.gpu_ids.append(gpu_id)
             picks.keys.append(key)

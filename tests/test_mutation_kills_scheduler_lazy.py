@@ -33,6 +33,9 @@ class ScriptedView:
     def is_saved(self, key: bytes) -> bool:
         return key in self.saved
 
+    def is_dead(self, key: bytes) -> bool:
+        return False
+
     def is_store_outstanding(self, event_id: int) -> bool:
         return event_id in self.outstanding
 

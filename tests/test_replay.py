@@ -161,6 +161,9 @@ def test_a_config_file_keeps_the_bundled_sizes_unless_it_sets_them(tmp_path, cap
     ("--cpu-blocks", str(1 << 40)),  # HostPoolError: larger than the machine
     ("--gpu-blocks", str(1 << 40)),  # the fake GPU KV cache would not fit
     ("--full-size", "--scaled"),  # conflicting flags
+    ("--full-size", "--trace", "agentic"),
+    ("--session-close-delay", "-1"),
+    ("--session-close-delay", "nan"),
 ])
 def test_user_errors_are_one_line_and_exit_2(capsys, args) -> None:
     """Issue 12 items 5 and 11: these were tracebacks with exit 1, or accepted silently."""
@@ -196,3 +199,18 @@ def test_a_closed_pipe_is_quiet() -> None:
     proc.stdout.close()  # before the replay prints anything: its writes hit a pipe with no reader
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and "Traceback" not in err, err
+
+
+def test_the_bundled_agentic_trace_by_name_closes_its_sessions(capsys) -> None:
+    out = run_json(capsys, "--trace", "agentic", "--limit", "120", "--store-policy", "lazy")
+    assert (out["gpu_blocks"], out["cpu_blocks"]) == (2658, 5316) and out["scaled"] is True
+    assert out["connector"]["num_closed_sessions"] > 0 and out["connector"]["num_bad_hints"] == 0
+    off = run_json(capsys, "--trace", "agentic", "--limit", "120", "--store-policy", "lazy", "--no-session-close")
+    assert off["connector"]["num_closed_sessions"] == 0
+
+
+def test_a_broken_gzip_trace_is_one_error_line(tmp_path, capsys) -> None:
+    path = tmp_path / "trace.jsonl.gz"
+    path.write_bytes(b"\x1f\x8b not really gzip")
+    code, _, err = replay_exit(capsys, "--trace", str(path))
+    assert code == 2 and err.startswith("error: ") and "cannot read" in err

@@ -59,6 +59,19 @@ def test_scaled_mode_is_one_engine_block_per_hash_id() -> None:
     a = TraceRequest(timestamp=0, input_length=1500, output_length=100, hash_ids=[1, 2, 3])
     b = TraceRequest(timestamp=0, input_length=700, output_length=1, hash_ids=[1, 5])
     ta, tb = prompt_tokens(a, 16, True), prompt_tokens(b, 16, True)
-    assert len(ta) == 48 and len(tb) == 32 and ta[:16] == tb[:16] and ta[16:32] != tb[16:32]
+    # 1500 = 2 x 512 + 476: two full blocks, then 476 * 16 // 512 = 14 tokens; 700 = 512 + 188: 16 + 5
+    assert len(ta) == 46 and len(tb) == 21 and ta[:16] == tb[:16] and ta[16:21] != tb[16:21]
     assert output_length(a, 16, True) == 4 and output_length(b, 16, True) == 1
     assert output_length(a, 16, False) == 100
+
+
+@pytest.mark.parametrize(("input_length", "scaled_length"), [
+    (512, 16), (1024, 32), (513, 17), (1023, 31), (1000, 31), (1, 1), (31, 1), (100, 3)])
+def test_scaled_partial_last_block_stays_partial(input_length: int, scaled_length: int) -> None:
+    """The engine hashes (caches) a block scaled iff it would at full size: the same number of full blocks."""
+    req = TraceRequest(timestamp=0, input_length=input_length, output_length=1,
+                       hash_ids=list(range(-(-input_length // 512))))
+    tokens = prompt_tokens(req, 16, True)
+    assert len(tokens) == scaled_length
+    assert len(hash_request_tokens(tokens, 16)) == input_length // 512
+    assert len(hash_request_tokens(prompt_tokens(req, 512, True), 512)) == input_length // 512

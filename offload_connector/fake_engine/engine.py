@@ -109,9 +109,10 @@ class FakeEngine:
         self._idle_steps = 0
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> EngineRequest:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
+                    kv_transfer_params: dict | None = None) -> EngineRequest:
         req = EngineRequest(request_id, list(prompt_token_ids), max_tokens, self.block_size,
-                            hash_algo=self.config.hash_algo)
+                            hash_algo=self.config.hash_algo, kv_transfer_params=kv_transfer_params)
         self.scheduler.add(req)
         return req
 

@@ -43,6 +43,7 @@ class EngineRequest:
     max_tokens: int
     block_size: int
     hash_algo: str = "xxh3_128"
+    kv_transfer_params: dict[str, Any] | None = None  # per-request connector hints, as vLLM's Request has
     all_token_ids: list[int] = field(init=False)
     output_token_ids: list[int] = field(default_factory=list, init=False)
     block_hashes: list[BlockHash] = field(init=False)
