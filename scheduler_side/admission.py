@@ -49,6 +49,9 @@ class AdmissionFilter:
             raise ValueError(f"AdmissionFilter capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.branch_filter = branch_filter
+        # Whether requests are fed to the tree at all: from the start with `branch_filter`, else from the
+        # first request that carries a hint (`activate`). Until then nothing can die and the tree is empty.
+        self.active = branch_filter
         self._nodes: OrderedDict[bytes, _Node] = OrderedDict()
         self._sessions: dict[str, dict[bytes, None]] = {}  # insertion-ordered: replays stay deterministic
         self.num_superseded = 0  # keys killed as a superseded branch

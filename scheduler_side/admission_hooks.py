@@ -3,7 +3,8 @@ it decides to the CPU tier.
 
 A mixin, kept apart because it is one idea: a request's block keys go to `AdmissionFilter` when it is
 admitted (all of them) and when it finishes (those completed since), together with its hints, read once
-per request from its `kv_transfer_params` (a malformed one is counted in `num_bad_hints`, logged and
+per request from its `kv_transfer_params` (only once the filter is active: with `branch_filter`, or from
+the first request with a hint on; an engine whose clients send no hints pays nothing per block) (a malformed one is counted in `num_bad_hints`, logged and
 ignored); keys that die as a superseded branch lose their CPU copies (`BlockPool.discard`), keys of a
 closed session have theirs moved to the eviction end (`BlockPool.demote`). Held CPU blocks (a transfer in
 flight) are left alone either way.
@@ -41,6 +42,10 @@ class Admissions:
                 self.stats.num_bad_hints += 1
                 logger.warning("request %s: ignoring its hints: %s", state.request_id, problem)
         hints, hashes, group = state.hints, state.request.block_hashes, self.group_id
+        if not self.admission.active:
+            if hints.session is None and hints.store:
+                return  # no hint seen yet and no branch filter: nothing needs the tree (hot path, no cost)
+            self.admission.active = True
         start = 0 if extends else state.num_admitted_keys
         base = max(0, start - 1)  # the parent of the first new key
         keys = [with_group_id(hashes[i], group) for i in range(base, len(hashes))]

@@ -70,6 +70,24 @@ def test_closing_a_session_demotes_only_its_own_blocks() -> None:
         assert engine.check() == 0
 
 
+def test_the_tree_waits_for_the_first_hint_unless_the_branch_filter_is_on() -> None:
+    """No hint and no branch filter: no request is fed to the admission tree (no per-block cost). The first
+    request with a hint switches it on for every request after it; the branch filter needs it from the
+    start."""
+    with FakeEngine(small_config(num_gpu_blocks=40, num_cpu_blocks=64)) as engine:
+        run(engine, "plain", A)
+        assert len(engine.connector.admission) == 0 and not engine.connector.admission.active
+        run(engine, "hinted", B, session_params("s"))
+        assert engine.connector.admission.active and len(engine.connector.admission) == 4
+        run(engine, "plain2", SHARED)
+        assert len(engine.connector.admission) == 6  # fed from now on, hint or not
+        assert engine.check() == 0
+    with FakeEngine(small_config(num_gpu_blocks=40, num_cpu_blocks=64, branch_filter=True)) as engine:
+        run(engine, "plain", A)
+        assert len(engine.connector.admission) == 4
+        assert engine.check() == 0
+
+
 def test_bad_hints_are_ignored_and_counted() -> None:
     with FakeEngine(small_config(num_gpu_blocks=12, num_cpu_blocks=32)) as engine:
         run(engine, "a", A, {"store": "no"})
