@@ -276,3 +276,42 @@ def test_views_place_every_chunk_of_several_outer_dims():
 def test_views_refuse_tensors_whose_blocks_share_bytes(shape, strides, layout):
     with pytest.raises(LayoutError, match="overlap"):
         tensor_block_view("x", strided(shape, strides), layout=layout)
+
+
+def test_a_worker_alone_gets_the_whole_cpu_budget():
+    """world_size defaults to 1: the pool holds cpu_bytes // bytes_per_block blocks."""
+    w = OffloadWorker(load_config({"cpu_bytes": 64 * 10, "transfer": {"backend": "cpu"}}))
+    w.register_kv_caches({"l": torch.zeros(NUM_GPU_BLOCKS, 64, dtype=torch.uint8)})
+    assert w.num_cpu_blocks == 10
+    w.shutdown()
+
+
+def test_the_pool_views_keep_the_layer_names():
+    w = cpu_worker()
+    w.register_kv_caches({"k.0": torch.zeros(NUM_GPU_BLOCKS, 64, dtype=torch.uint8),
+                          "k.1": torch.zeros(NUM_GPU_BLOCKS, 32, dtype=torch.uint8)})
+    assert [v.name for v in w.host_pool.views] == ["k.0", "k.1"]
+    w.shutdown()
+
+
+def vm_flags(addr: int) -> list[str]:
+    """The kernel's VmFlags of the mapping holding `addr` (/proc/self/smaps)."""
+    mapping = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                mapping = lo <= addr < hi
+            elif line.startswith("VmFlags:") and mapping:
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not os.path.exists("/sys/kernel/mm/transparent_hugepage"),
+                    reason="needs Linux with transparent huge pages")
+def test_the_pool_buffer_is_private_and_advised_for_huge_pages():
+    """Private (a forked process never shares the pool's writes) and MADV_HUGEPAGE ('hg') from its first byte."""
+    buffer = allocate_host_buffer(3 << 20)
+    flags = vm_flags(buffer.data_ptr())
+    assert "hg" in flags and "sh" not in flags, flags
