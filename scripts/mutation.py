@@ -4,6 +4,7 @@
     python scripts/mutation.py worker            # one target (worker | cudasim | scheduler), fresh
     python scripts/mutation.py worker --again    # after adding tests: rerun only what was not killed
     python scripts/mutation.py worker --report   # print the last run's score and survivors again
+    python scripts/mutation.py cudasim --only 'worker_side.cuda_backend.*_fence*'   # just these mutants
 
 A *target* is a set of files to mutate and the fast tests that may kill them; mutmut then runs, for each
 mutant, only the selected tests that call the mutated function. The targets:
@@ -150,6 +151,7 @@ def workspace(name: str, fresh: bool) -> Iterator[None]:
 class Summary:
     total: int = 0
     killed: int = 0
+    not_run: int = 0  # mutants no run has tested yet (after --only): not in total
     equivalent: list[tuple[str, str, str]] = field(default_factory=list)  # (mutant, diff, why)
     survived: list[tuple[str, str, str]] = field(default_factory=list)  # (mutant, diff, status)
 
@@ -258,8 +260,11 @@ def summarize(name: str) -> Summary:
             if not path.endswith(".py") or not meta.exists():
                 continue
             for mutant, code in json.loads(meta.read_text())["exit_code_by_key"].items():
-                summary.total += 1
                 status = status_by_exit_code[code]
+                if status == "not checked":
+                    summary.not_run += 1
+                    continue
+                summary.total += 1
                 if status in KILLED:
                     summary.killed += 1
                     continue
@@ -285,7 +290,8 @@ def report(name: str, show_equivalent: bool) -> Summary:
     message = sum(why == "message text" for _, _, why in s.equivalent)
     print(f"\n{name}: {s.killed} killed of {s.total} mutants; {len(s.equivalent)} equivalent ({message} message "
           f"text, {len(s.equivalent) - message} listed in {EQUIVALENTS.relative_to(ROOT)}); "
-          f"{len(s.survived)} not killed; score {s.killed} / {s.total - len(s.equivalent)} = {s.score:.1f}%")
+          f"{len(s.survived)} not killed; score {s.killed} / {s.total - len(s.equivalent)} = {s.score:.1f}%"
+          + (f"; {s.not_run} mutants not run yet (a run with --only)" if s.not_run else ""))
     return s
 
 
@@ -298,7 +304,7 @@ def not_killed(name: str) -> list[str]:
             meta = Path("mutants") / (path + ".meta")
             if meta.exists():
                 codes = json.loads(meta.read_text())["exit_code_by_key"]
-                out += [m for m, code in codes.items() if status_by_exit_code[code] not in KILLED]
+                out += [m for m, code in codes.items() if status_by_exit_code[code] not in KILLED | {"not checked"}]
     return out
 
 
@@ -308,6 +314,8 @@ def main() -> int:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--again", action="store_true", help="rerun only the mutants the last run did not kill")
     mode.add_argument("--report", action="store_true", help="only print the last run's score and survivors")
+    mode.add_argument("--only", nargs="+", metavar="PATTERN",
+                      help="run only the mutants whose names match (fnmatch), keeping the other results")
     parser.add_argument("--show-equivalent", action="store_true", help="also print the equivalent mutants")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--mutants", nargs="*", default=[], help=argparse.SUPPRESS)
@@ -326,8 +334,8 @@ def main() -> int:
         return 0
     lines = []
     for name in targets:
-        with workspace(name, fresh=not args.again):
-            again = not_killed(name) if args.again else []
+        with workspace(name, fresh=not (args.again or args.only)):
+            again = not_killed(name) if args.again else list(args.only or [])
             if args.again and not again:
                 print(f"{name}: nothing to rerun (no previous run, or every mutant was killed)")
                 continue
