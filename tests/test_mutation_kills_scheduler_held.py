@@ -5,7 +5,7 @@ policy's estimate reads. Through the lazy tests' scripted `PolicyView` or a real
 from __future__ import annotations
 
 from helpers import FakeRequest, admit, make_scheduler, report, step_done
-from test_mutation_kills_scheduler_lazy import ScriptedView
+from test_mutation_kills_scheduler_lazy import ScriptedView, unsaved
 
 from offload_connector.hashing import with_group_id
 from scheduler_side.lazy_policy import LazyStorePolicy
@@ -112,3 +112,19 @@ def test_a_store_event_is_outstanding_until_its_completion_is_reported():
     assert view.is_store_outstanding(meta.store_event)
     sched.update_connector_output(report(completed_store_events=[meta.store_event]))
     assert not view.is_store_outstanding(meta.store_event)
+
+
+# ---- admission and the frontier a store event restores ------------------------------------------------------
+def test_a_request_with_nothing_left_to_allocate_is_never_deferred():
+    view = ScriptedView(lazy_lookahead_blocks=1, frontier=unsaved(1, 8))
+    state = RequestState(FakeRequest("r", list(range(2 * BS)), BS), num_gpu_hit_blocks=2)
+    assert LazyStorePolicy(view).may_admit(state, 0)
+
+
+def test_a_completed_store_restores_the_frontier_up_to_its_last_stored_block():
+    frontier = unsaved(1, 3)
+    for event_id, stored, restored in ((1, [3], 3), (2, [2], 2), (3, [1], 1), (4, [], 0)):
+        policy = LazyStorePolicy(ScriptedView(lazy_lookahead_blocks=3, frontier=frontier))
+        assert policy.pick_stores().gpu_ids == [1, 2, 3]
+        policy.on_stores_emitted(event_id, stored)
+        assert policy.on_store_complete(event_id) == frontier[:restored], stored
