@@ -128,3 +128,25 @@ def test_a_completed_store_restores_the_frontier_up_to_its_last_stored_block():
         assert policy.pick_stores().gpu_ids == [1, 2, 3]
         policy.on_stores_emitted(event_id, stored)
         assert policy.on_store_complete(event_id) == frontier[:restored], stored
+
+
+# ---- how many blocks a step picks: the CPU room ---------------------------------------------------------------
+def test_a_step_picks_no_more_unsaved_blocks_than_the_cpu_tier_has_room_for():
+    for cpu_free in (0, 1, 2, 3):
+        policy = LazyStorePolicy(ScriptedView(lazy_lookahead_blocks=6, frontier=unsaved(1, 6), cpu_free=cpu_free))
+        assert policy.pick_stores().gpu_ids == list(range(1, cpu_free + 1)), cpu_free
+
+
+def test_held_blocks_take_their_cpu_room_first():
+    view = ScriptedView(lazy_lookahead_blocks=8, gpu_free=0, cpu_free=3)
+    policy = LazyStorePolicy(view)
+    assert policy.on_request_finished(finished(2)) == [10, 11]
+    view.frontier = unsaved(1, 6)
+    picks = policy.pick_stores()
+    assert picks.gpu_ids == [10, 11, 1] and picks.release_gpu_ids == [10, 11]
+
+
+def test_a_key_is_picked_once_even_if_two_free_blocks_hold_it():
+    frontier = [(1, b"same"), (2, b"same"), (3, b"other")]
+    policy = LazyStorePolicy(ScriptedView(lazy_lookahead_blocks=6, frontier=frontier))
+    assert policy.pick_stores().gpu_ids == [1, 3]
