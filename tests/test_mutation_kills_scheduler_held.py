@@ -150,3 +150,11 @@ def test_a_key_is_picked_once_even_if_two_free_blocks_hold_it():
     frontier = [(1, b"same"), (2, b"same"), (3, b"other")]
     policy = LazyStorePolicy(ScriptedView(lazy_lookahead_blocks=6, frontier=frontier))
     assert policy.pick_stores().gpu_ids == [1, 3]
+
+
+def test_the_first_steps_lookahead_follows_exactly_what_it_allocated():
+    policy = LazyStorePolicy(ScriptedView(lazy_lookahead_blocks=None))
+    assert policy.lookahead == 16  # the floor
+    policy.on_blocks_allocated(10)
+    policy.pick_stores()
+    assert policy.lookahead == 20  # 2.0 x the peak of 10 blocks
