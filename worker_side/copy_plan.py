@@ -133,13 +133,6 @@ class CopyGeometry:
         return Segments(np.concatenate(dsts), np.concatenate(srcs), np.concatenate(sizes))
 
 
-def build_segments(src_views: Sequence[TensorBlockView], dst_views: Sequence[TensorBlockView],
-                   src_ids: np.ndarray, dst_ids: np.ndarray) -> Segments:
-    """Byte segments copying block src_ids[i] to dst_ids[i] in every (src, dst) tensor pair (one-off use)."""
-    return CopyGeometry.build(src_views, dst_views).segments(np.asarray(src_ids, np.int64),
-                                                            np.asarray(dst_ids, np.int64))
-
-
 def split_segments(segments: Segments, num_shards: int, min_piece: int = 256 * 1024) -> list[Segments]:
     """Cut segments into at most `num_shards` shards of about equal bytes (large segments are split)."""
     total = segments.total_bytes

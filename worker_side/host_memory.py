@@ -25,6 +25,7 @@ PAGE_BYTES = mmap.PAGESIZE
 HUGE_PAGE_BYTES = 2 << 20
 _MBIND_SYSCALL = {"x86_64": 237, "aarch64": 235}
 _MPOL_PREFERRED = 1
+_MASK_BITS = 64  # one unsigned long: nodes 0..63
 
 
 def align_up(n: int, alignment: int) -> int:
@@ -33,12 +34,14 @@ def align_up(n: int, alignment: int) -> int:
 
 def _mbind_preferred(addr: int, nbytes: int, node: int) -> bool:
     number = _MBIND_SYSCALL.get(platform.machine())
-    if number is None or node < 0 or node >= 64:
+    if number is None or node < 0 or node >= _MASK_BITS:
         return False
-    libc = ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None)
     mask = ctypes.c_ulong(1 << node)
+    # maxnode is the mask's bit count + 1: the kernel reads maxnode - 1 bits (with 64, node 63 was dropped and
+    # the call "succeeded" as a local-allocation policy).
     rc = libc.syscall(ctypes.c_long(number), ctypes.c_void_p(addr), ctypes.c_ulong(nbytes), ctypes.c_int(_MPOL_PREFERRED),
-                      ctypes.byref(mask), ctypes.c_ulong(64), ctypes.c_uint(0))
+                      ctypes.byref(mask), ctypes.c_ulong(_MASK_BITS + 1), ctypes.c_uint(0))
     return rc == 0
 
 
