@@ -78,7 +78,10 @@ TARGETS = {
         mutate=("scheduler_side/*",),
         tests=("tests/test_block_pool.py", "tests/test_arc_queue.py", "tests/test_lazy_policy.py",
                "tests/test_scheduler_*.py", "tests/test_integrity.py", "tests/test_fake_engine.py",
-               "tests/test_fake_engine_scenarios.py", "tests/test_mutation_kills_scheduler*.py"),
+               "tests/test_fake_engine_scenarios.py", "tests/test_mutation_kills_scheduler*.py",
+               "tests/test_admission.py", "tests/test_session_hints.py", "tests/test_remote_scheduler.py",
+               "tests/test_remote_state_machine.py", "tests/test_remote_client.py",
+               "tests/test_remote_fake_engine.py"),
         description="scheduler_side/"),
 }
 
