@@ -78,8 +78,14 @@ def hash_request_tokens(
 
 def with_group_id(block_hash: bytes, group_id: int = 0) -> BlockHashWithGroupId:
     """The connector's cache key: a block hash plus the KV-cache group id it belongs to."""
-    suffix = _GROUP_SUFFIX[group_id] if group_id < len(_GROUP_SUFFIX) else group_id.to_bytes(4, "big")
+    suffix = group_suffix(group_id)
     return BlockHashWithGroupId(block_hash + suffix if type(block_hash) is bytes else bytes(block_hash) + suffix)
+
+
+def group_suffix(group_id: int) -> bytes:
+    """What `with_group_id` appends: per-block loops over `bytes` hashes (vLLM's and ours) inline
+    `block_hash + group_suffix(group_id)` instead of calling it."""
+    return _GROUP_SUFFIX[group_id] if group_id < len(_GROUP_SUFFIX) else group_id.to_bytes(4, "big")
 
 
 _GROUP_SUFFIX = tuple(g.to_bytes(4, "big") for g in range(16))

@@ -91,11 +91,11 @@ class SchedulerRole:
         # would be left out and the block never stored).
         drafted, previously_drafted = scheduler_output.scheduled_spec_decode_tokens, self._drafted
         self._drafted = set(drafted)
+        kept = resumed_ids.union(drafted, previously_drafted) if drafted or previously_drafted else resumed_ids
         for req_id, new_ids, before in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
                                            strict=True):
             after = before + num_scheduled[req_id]
-            if ((new_ids is None or not new_ids[0]) and after // bs == before // bs and req_id not in resumed_ids
-                    and req_id not in drafted and req_id not in previously_drafted):
+            if (after // bs == before // bs and (new_ids is None or not new_ids[0]) and req_id not in kept):
                 continue  # StepRequest's contract: no new block, none completed (a decode step): leave it out
             steps.append(StepRequest(req_id, new_ids[0] if new_ids else [], after, req_id in resumed_ids))
         return OffloadConnectorMetadata(sched.build_connector_meta(steps))

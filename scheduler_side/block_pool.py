@@ -169,15 +169,18 @@ class BlockPool:
         """The reserved contents arrived: cache them. Returns the keys now hit-able (a key another block
         caches meanwhile stays with that block: its reservation is dropped and nothing is cached here)."""
         committed = []
-        cached, on_cached = self.cached, self.free_queue.on_cached
+        cached, reserved, on_cached = self.cached, self.reserved, self.free_queue.on_cached
         for block in blocks:
-            key = self._unreserve(block)
-            current = cached.get(key)
-            if current is None:
-                block.block_hash = key
+            key = block.block_hash  # _unreserve, inlined (per block)
+            if key is None or reserved.get(key) is not block:
+                raise PoolError(f"commit of {block}, which holds no reservation (caller bug)")
+            del reserved[key]
+            if key not in cached:
                 cached[key] = block
                 on_cached(block, key)
                 committed.append(key)
+            else:
+                block.block_hash = None
         return committed
 
     def abort(self, blocks: Iterable[Block]) -> None:

@@ -101,7 +101,8 @@ class Completions:
         if len(job.reported_ranks) < self.world_size:
             return
         state.load = None
-        self.gpu_pool.free(job.gpu_block_ids)
+        if job.holds_gpu:  # the request finished while loading (request_finished took these references)
+            self.gpu_pool.free(job.gpu_block_ids)
         cpu_pool = self.cpu_pool
         if self.policy.on_load_complete(job):  # the GPU holds the content now: forget the CPU copies
             for block in job.cpu_blocks:

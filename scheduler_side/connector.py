@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from offload_connector.config import OffloadConfig
-from offload_connector.hashing import with_group_id
+from offload_connector.hashing import group_suffix, with_group_id
 from offload_connector.metadata import TransferMetadata
 from offload_connector.remote_format import RemoteIdentity
 from scheduler_side.admission import AdmissionFilter
@@ -128,9 +128,9 @@ class OffloadScheduler(Completions, Admissions):
         first = num_computed_tokens // bs
         last = min(len(hashes), (request.num_tokens - 1) // bs)  # keep >= 1 token to compute
         hits: list[Block] = []
-        cached, reserved, group = self.cpu_pool.cached, self.cpu_pool.reserved, self.group_id
+        cached, reserved, suffix = self.cpu_pool.cached, self.cpu_pool.reserved, group_suffix(self.group_id)
         for i in range(first, last):
-            key = with_group_id(hashes[i], group)
+            key = hashes[i] + suffix  # with_group_id, inlined (per block)
             block = cached.get(key)
             if block is None:
                 if key in reserved:
@@ -214,9 +214,9 @@ class OffloadScheduler(Completions, Admissions):
             state.move_to(Phase.RUNNING)
             return
         start = hit.num_computed_tokens // self.block_size
-        gpu_ids = list(gpu_block_ids[start:start + n])
-        self.gpu_pool.touch(gpu_ids)  # the CPU references move from the pending hit to the job
-        state.load = LoadJob(gpu_ids, hit.cpu_blocks[:n])
+        # The CPU references move from the pending hit to the job. The GPU blocks stay the request's alone
+        # while it lives (the engine frees them only after request_finished, which then protects them).
+        state.load = LoadJob(list(gpu_block_ids[start:start + n]), hit.cpu_blocks[:n])
         state.move_to(Phase.LOADING)
         self.stats.num_hit_tokens += num_external_tokens
         self._loads_to_send.append(state)
@@ -326,7 +326,10 @@ class OffloadScheduler(Completions, Admissions):
         hold = self.policy.on_request_finished(state)
         if hold:  # released by the policy's next pick_stores, after the store event took its own
             self.gpu_pool.touch(hold)
-        if state.phase is Phase.LOADING:
+        if state.phase is Phase.LOADING:  # the engine frees the request's blocks next: the copy still writes
+            job = state.load  # into them, so the job takes its own references until it completes
+            self.gpu_pool.touch(job.gpu_block_ids)
+            job.holds_gpu = True
             state.move_to(Phase.FINISHED)  # deleted when its load completes (a queued load is still sent)
         else:
             del self._requests[request.request_id]

@@ -19,13 +19,19 @@ class SchedulerView:
                  group_id: int, max_blocks_per_step: int | None, lazy_lookahead_blocks: int | None,
                  admission: AdmissionFilter) -> None:
         self._cpu, self._gpu, self._store_events = cpu_pool, gpu_pool, store_events
-        self.is_dead = admission.is_dead
+        self.is_dead, self._admission = admission.is_dead, admission
         self._cached, self._reserved = cpu_pool.cached, cpu_pool.reserved
         self.block_size, self.group_id = block_size, group_id
         self.max_blocks_per_step, self.lazy_lookahead_blocks = max_blocks_per_step, lazy_lookahead_blocks
 
     def is_saved(self, key: bytes) -> bool:
         return key in self._cached or key in self._reserved
+
+    def may_have_dead(self) -> bool:
+        return self._admission.active
+
+    def saved_key_maps(self) -> tuple[Mapping[bytes, object], Mapping[bytes, object]]:
+        return self._cached, self._reserved
 
     def is_store_outstanding(self, event_id: int) -> bool:
         return event_id in self._store_events

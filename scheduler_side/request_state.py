@@ -54,11 +54,14 @@ class PendingHit:
 
 @dataclass(slots=True)
 class LoadJob:
-    """One request's blocks coming back from the CPU. Holds one reference on every block listed."""
+    """One request's blocks coming back from the CPU. Holds one reference on every CPU block listed; its
+    GPU blocks are the request's own, referenced by the job only once the request finished while it was in
+    flight (`holds_gpu`), so that the engine cannot hand them to another request before the copy ends."""
 
     gpu_block_ids: list[int]
     cpu_blocks: list[Block]
     event_id: int | None = None  # set when build_connector_meta hands it to the workers
+    holds_gpu: bool = False  # one reference on every GPU block listed, taken by request_finished
     reported_ranks: set[int] = field(default_factory=set)  # ranks that reported it finished (each once)
 
     def __post_init__(self) -> None:

@@ -24,11 +24,11 @@ Imports nothing from the scheduler (its types come from request_state and interf
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from offload_connector.hashing import with_group_id
+from offload_connector.hashing import group_suffix
 from scheduler_side.request_state import LoadJob, RequestState
 
 
@@ -46,6 +46,13 @@ class PolicyView(Protocol):
     def is_dead(self, key: bytes) -> bool:
         """The admission filter refuses this content (a superseded branch, a closed session, `store: false`):
         never store it."""
+
+    def may_have_dead(self) -> bool:
+        """False while the admission filter is inactive: `is_dead` is then False for every key."""
+
+    def saved_key_maps(self) -> tuple[Mapping[bytes, object], Mapping[bytes, object]]:
+        """(cached, reserved) keys of the CPU tier, for per-block loops: `key in either` is `is_saved(key)`.
+        Read only."""
 
     def is_store_outstanding(self, event_id: int) -> bool: ...
     def cpu_num_free_blocks(self) -> int: ...
@@ -119,6 +126,8 @@ class EagerStorePolicy(StorePolicy):
         super().__init__(view)
         self._picks = StorePicks()
         self._picked: set[bytes] = set()
+        self._suffix = group_suffix(view.group_id)
+        self._cached, self._reserved = view.saved_key_maps()  # live maps, read only
 
     def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None:
         """Pick the full blocks the forward completes that are not saved; advances the store cursor."""
@@ -126,14 +135,14 @@ class EagerStorePolicy(StorePolicy):
         end = num_computed_tokens // self.view.block_size
         if end <= start:
             return  # the common decode step: no block completed
-        hashes, gpu_block_ids = state.request.block_hashes, state.gpu_block_ids
+        hashes, gpu_block_ids, view = state.request.block_hashes, state.gpu_block_ids, self.view
         end = min(end, len(hashes), len(gpu_block_ids))
-        group, picked, is_saved, picks = self.view.group_id, self._picked, self.view.is_saved, self._picks
-        is_dead = self.view.is_dead
+        suffix, picked, picks, cached, reserved = self._suffix, self._picked, self._picks, self._cached, self._reserved
+        is_dead = view.is_dead if view.may_have_dead() else None
         for i in range(start, end):
-            key = with_group_id(hashes[i], group)
+            key = hashes[i] + suffix  # with_group_id, inlined (per block)
             gpu_id = gpu_block_ids[i]
-            if gpu_id == 0 or key in picked or is_saved(key) or is_dead(key):
+            if gpu_id == 0 or key in picked or key in cached or key in reserved or (is_dead and is_dead(key)):
                 continue  # the null block, or already picked, on the CPU or being stored, or refused
             picked.add(key)
             picks.gpu_ids.append(gpu_id)

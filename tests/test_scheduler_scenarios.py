@@ -44,8 +44,8 @@ def test_seed_004_story():
     meta = sched.build_connector_meta([])
     assert (meta.load_event, meta.load_gpu_blocks, meta.load_cpu_blocks) == (0, [b_ids[0]], [1])
     assert meta.load_event_reqs == ["B"] and meta.store_event is None
-    assert gpu.blocks[b_ids[0]].ref_cnt == 2  # the request's and the load's
-    # 7. the load completes: protections released.
+    assert gpu.blocks[b_ids[0]].ref_cnt == 1  # the request's alone: it lives, so nobody else gets it
+    # 7. the load completes: the CPU block's protection is released.
     sched.update_connector_output(report(finished_load_reqs=["B"]))
     assert sched.cpu_pool.blocks[1].ref_cnt == 0 and gpu.blocks[b_ids[0]].ref_cnt == 1
     # 8. B computes the rest: only its new full block is stored.
@@ -236,12 +236,14 @@ def test_tensor_parallel_events_need_every_rank():
     sched.update_connector_output([report(rank=1, completed_store_events=[meta.store_event])])
     _, _, b_ids = admit(sched, gpu, b)
     meta = sched.build_connector_meta([])
+    cpu_id = meta.load_cpu_blocks[0]
     sched.update_connector_output([report(rank=1, finished_load_reqs=["B"])])
-    assert gpu.blocks[b_ids[0]].ref_cnt == 2  # rank 0 still copying
+    assert sched.cpu_pool.blocks[cpu_id].ref_cnt == 1  # rank 0 still copying: the source stays pinned
+    finish(sched, gpu, b, b_ids)  # aborted while loading: the engine drops its references
+    assert gpu.blocks[b_ids[0]].ref_cnt == 1  # the load's own, until rank 0 is done writing it
     sched.update_connector_output([report(rank=0, finished_load_reqs=["B"])])
-    assert gpu.blocks[b_ids[0]].ref_cnt == 1
+    assert gpu.blocks[b_ids[0]].ref_cnt == 0 and sched.cpu_pool.blocks[cpu_id].ref_cnt == 0
     finish(sched, gpu, a, ids)
-    finish(sched, gpu, b, b_ids)
     assert_idle(sched, gpu)
 
 
@@ -260,13 +262,14 @@ def test_a_rank_reporting_twice_completes_nothing(caplog):
     assert sched.get_num_new_matched_tokens(b, 0) == (None, False)  # still being stored on rank 1
     sched.update_connector_output(report(rank=1, completed_store_events=[meta.store_event]))
     _, _, b_ids = admit(sched, gpu, b)
-    sched.build_connector_meta([])
+    cpu_id = sched.build_connector_meta([]).load_cpu_blocks[0]
     sched.update_connector_output([report(rank=0, finished_load_reqs=["B", "B"])] * 2)
-    assert gpu.blocks[b_ids[0]].ref_cnt == 2  # rank 1 may still be writing these blocks
+    assert sched.cpu_pool.blocks[cpu_id].ref_cnt == 1  # rank 1 may still be reading it
+    finish(sched, gpu, b, b_ids)  # aborted while loading
+    assert gpu.blocks[b_ids[0]].ref_cnt == 1  # rank 1 may still be writing it: nobody else may get it
     sched.update_connector_output(report(rank=1, finished_load_reqs=["B"]))
-    assert gpu.blocks[b_ids[0]].ref_cnt == 1
+    assert gpu.blocks[b_ids[0]].ref_cnt == 0 and sched.cpu_pool.blocks[cpu_id].ref_cnt == 0
     finish(sched, gpu, a, ids)
-    finish(sched, gpu, b, b_ids)
     assert_idle(sched, gpu)
 
 
