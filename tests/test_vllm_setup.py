@@ -15,18 +15,30 @@ from offload_connector.config import ConfigError
 from offload_connector.vllm_setup import UnsupportedSetupError, describe_kv_cache, resolve_config
 
 
-class FullAttentionSpec(SimpleNamespace):
-    """Stand-in named like vLLM's spec (the check goes by class name)."""
+class AttentionSpec(SimpleNamespace):
+    """Stand-ins named like vLLM's specs, in vLLM's hierarchy (the checks go by class names)."""
 
 
-class SlidingWindowSpec(SimpleNamespace):
+class FullAttentionSpec(AttentionSpec):
+    pass
+
+
+class SlidingWindowSpec(AttentionSpec):
+    pass
+
+
+class MambaSpec(SimpleNamespace):
     pass
 
 
 def fake_configs(num_groups: int = 1, block_size: int = 32, prefix_caching: bool = True, pp: int = 1,
-                 tp: int = 2, hash_block_size: int | None = None, spec_cls: type = FullAttentionSpec):
+                 tp: int = 2, hash_block_size: int | None = None, spec_cls: type = FullAttentionSpec,
+                 extra_group_cls: type | None = None):
     spec = spec_cls(block_size=block_size, page_size_bytes=4096)
     groups = [SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1", "l2"]) for _ in range(num_groups)]
+    if extra_group_cls is not None:  # a hybrid model with HMA on: a second group of another kind
+        extra = extra_group_cls(block_size=block_size, page_size_bytes=4096)
+        groups.append(SimpleNamespace(kv_cache_spec=extra, layer_names=["l3", "l4", "l5"]))
     kv_cache_config = SimpleNamespace(num_blocks=100, kv_cache_groups=groups, kv_cache_tensors=[],
                                       hash_block_size=hash_block_size, kv_cache_layout="LBNHC")
     vllm_config = SimpleNamespace(
@@ -93,6 +105,10 @@ def test_shape_and_tp_split() -> None:
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"num_groups": 2}, "one KV-cache group"),
+    ({"extra_group_cls": SlidingWindowSpec}, r"2 groups \(FullAttentionSpec, SlidingWindowSpec\).*"
+                                             "disable_hybrid_kv_cache_manager unset"),
+    ({"extra_group_cls": MambaSpec}, r"Mamba/SSM state groups \(MambaSpec\) are not supported"),
+    ({"extra_group_cls": SimpleNamespace}, r"\(FullAttentionSpec, SimpleNamespace\)\. allowed: a single"),
     ({"spec_cls": SlidingWindowSpec}, "full-attention"),
     ({"block_size": 16}, "block size"),
     ({"hash_block_size": 16}, "block size"),
@@ -224,3 +240,22 @@ def test_our_packages_log_through_vllms_handler() -> None:
             logger = logging.getLogger(name)
             logger.handlers, logger.propagate = handlers, propagate
             logger.setLevel(level)
+
+
+@pytest.mark.vllm
+def test_several_groups_are_judged_by_vllms_real_spec_classes() -> None:
+    """The kinds above go by class names: check them against vLLM's own classes (instances made without
+    their constructors, whose arguments change between releases)."""
+    pytest.importorskip("vllm")
+    from vllm.v1.kv_cache_interface import FullAttentionSpec as Full
+    from vllm.v1.kv_cache_interface import MambaSpec as Mamba
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec as Window
+
+    def groups(*classes: type) -> SimpleNamespace:
+        return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=object.__new__(c)) for c in classes])
+
+    vllm_config, _ = fake_configs()
+    with pytest.raises(UnsupportedSetupError, match="disable_hybrid_kv_cache_manager unset"):
+        describe_kv_cache(vllm_config, groups(Window, Full))
+    with pytest.raises(UnsupportedSetupError, match=r"Mamba/SSM state groups \(MambaSpec\)"):
+        describe_kv_cache(vllm_config, groups(Full, Mamba))
