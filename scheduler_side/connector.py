@@ -2,7 +2,8 @@
 
 It owns the CPU `BlockPool` (prefix cache keyed by block hash + group id) and borrows the engine's GPU pool
 through `GpuPool`. Per engine step, in vLLM's order (SPEC §4):
-1. `get_num_new_matched_tokens`: CPU lookup after the GPU hit; pins the hit's CPU blocks (pending hit).
+1. `get_num_new_matched_tokens` (lookups.py): CPU lookup after the GPU hit; pins the hit's CPU blocks (a
+   pending hit).
 2. `update_state_after_alloc`: turns the pending hit into a load job onto the new GPU blocks.
 3. `build_connector_meta`: one load event for all new load jobs, one store event for the chosen stores.
 4. `update_connector_output` (completions.py): each rank's report completes loads and stores (stores
@@ -11,7 +12,9 @@ through `GpuPool`. Per engine step, in vLLM's order (SPEC §4):
 
 Reference ownership (the invariant that makes abort/preempt/finish safe at any point):
 - a pending hit holds one reference on each of its CPU blocks;
-- a load job holds one reference on each of its GPU and CPU blocks until its completion is reported;
+- a load job holds one reference on each of its CPU blocks until its completion is reported, and on each
+  of its GPU blocks too once its request finished while loading (until then the request's own reference
+  keeps them: the engine frees a request's blocks only after `request_finished`);
 - a store event holds one reference on each of its GPU and CPU blocks until every rank reported it.
 No block with a transfer in flight is therefore ever in a free queue. Nothing here imports torch.
 With `config.remote` (and the adapter's `remote_identity`), a CPU miss may make the request wait for the
@@ -25,7 +28,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from offload_connector.config import OffloadConfig
-from offload_connector.hashing import group_suffix, with_group_id
 from offload_connector.metadata import TransferMetadata
 from offload_connector.remote_format import RemoteIdentity
 from scheduler_side.admission import AdmissionFilter
@@ -36,6 +38,7 @@ from scheduler_side.errors import SchedulerError
 from scheduler_side.free_queue import Block
 from scheduler_side.interfaces import GpuPool, RequestLike, StepRequest
 from scheduler_side.lazy_policy import LazyStorePolicy
+from scheduler_side.lookups import Lookups
 from scheduler_side.policy_view import SchedulerView
 from scheduler_side.remote_tier import RemoteTier, make_remote_tier
 from scheduler_side.request_state import LoadJob, PendingHit, Phase, RequestState, StoreEvent
@@ -54,7 +57,7 @@ def make_store_policy(config: OffloadConfig, view: PolicyView) -> StorePolicy:
 
 
 @dataclass
-class OffloadScheduler(Completions, Admissions):
+class OffloadScheduler(Lookups, Completions, Admissions):
     config: OffloadConfig
     block_size: int
     num_cpu_blocks: int
@@ -91,86 +94,6 @@ class OffloadScheduler(Completions, Admissions):
         self.policy: StorePolicy = make_store_policy(self.config, self._view)
         self.remote: RemoteTier | None = make_remote_tier(self.config.remote, self.remote_identity, self.cpu_pool,
                                                           self._allocate_cpu, self.world_size, self.group_id)
-
-    # ------------------------------------------------------------------ 1. lookup
-    def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """CPU hit after the engine's GPU hit: (tokens to load, load is async), or (None, False) to retry.
-
-        The hit is the longest run of consecutive cached blocks starting at the GPU hit, capped so that at
-        least one prompt token is still computed. Its CPU blocks are pinned until allocation. A block of
-        the run still being stored makes the request ask again next step (None), at most
-        `max_store_wait_steps` times per request; then the hit ends before that block. The store policy
-        may defer the request a step (None) so that the GPU saves what its allocation would evict.
-        """
-        state = self._requests.get(request.request_id)
-        if state is None:
-            state = self._requests[request.request_id] = RequestState(request)
-        elif state.phase is Phase.FINISHED:  # a new request reuses the id of a finished one still loading
-            return None, False  # ask again once that load is done and its state is gone
-        elif state.phase is Phase.LOADING:
-            raise SchedulerError(f"lookup for request {request.request_id} while its load is in flight")
-        elif state.request is not request:
-            # Adopting it would store the new request's blocks under the old prompt's hashes: wrong KV later.
-            raise SchedulerError(f"lookup for request id {request.request_id!r} with a different request object "
-                                 "while the first is still live (not finished); request ids must be unique")
-        self._drop_pending_hit(state)
-        self.stats.num_lookups += 1
-        if self.remote is not None and self.remote.waiting(state):
-            state.move_to(Phase.NEW)
-            return None, False  # its blocks are being looked up or fetched on the remote tier
-
-        bs = self.block_size
-        state.num_gpu_hit_blocks = num_computed_tokens // bs
-        if num_computed_tokens % bs:
-            state.move_to(Phase.LOOKED_UP)
-            return 0, False  # a partial GPU hit: the CPU run could not start on a block boundary
-        hashes = request.block_hashes
-        first = num_computed_tokens // bs
-        last = min(len(hashes), (request.num_tokens - 1) // bs)  # keep >= 1 token to compute
-        hits: list[Block] = []
-        cached, reserved, suffix = self.cpu_pool.cached, self.cpu_pool.reserved, group_suffix(self.group_id)
-        for i in range(first, last):
-            key = hashes[i] + suffix  # with_group_id, inlined (per block)
-            block = cached.get(key)
-            if block is None:
-                if key in reserved:
-                    if state.num_store_waits < self.config.max_store_wait_steps:
-                        state.num_store_waits += 1
-                        state.move_to(Phase.NEW)
-                        return None, False  # its store completes soon: ask again next step
-                    self.stats.num_store_wait_timeouts += 1  # waited enough: the hit ends here
-                else:
-                    if self._arc:
-                        self._note_misses(hashes, i, last)
-                    if self.remote is not None and self.remote.start(state, hashes, i, last):
-                        state.move_to(Phase.NEW)
-                        return None, False  # ask again once the remote tier answered
-                break
-            hits.append(block)
-        if not self.policy.may_admit(state, len(hits)):
-            state.num_deferrals += 1
-            state.move_to(Phase.NEW)
-            self.stats.num_deferred_lookups += 1
-            return None, False  # its allocation would evict GPU blocks not saved yet: ask again next step
-        if not hits:
-            state.move_to(Phase.LOOKED_UP)
-            return 0, False
-        self.cpu_pool.touch(hits)
-        state.pending_hit = PendingHit(hits, num_computed_tokens)
-        state.move_to(Phase.PENDING_HIT)
-        return len(hits) * bs, True
-
-    def _note_misses(self, hashes: Sequence[bytes], first: int, last: int) -> None:
-        """ARC: blocks `first`..`last` missed on the CPU; the first miss alone adapts the target."""
-        pool, group = self.cpu_pool, self.group_id
-        for i in range(first, last):
-            pool.note_miss(with_group_id(hashes[i], group), adapt=i == first)
-
-    def _note_reuse(self, state: RequestState, num_blocks: int) -> None:
-        """ARC: the request's first `num_blocks` blocks were hits (GPU or CPU): their content is reused."""
-        pool, group, hashes = self.cpu_pool, self.group_id, state.request.block_hashes
-        for i in range(min(num_blocks, len(hashes))):
-            pool.note_reuse(with_group_id(hashes[i], group))
 
     # ------------------------------------------------------------------ 2. after allocation
     def update_state_after_alloc(
