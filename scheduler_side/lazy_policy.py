@@ -123,7 +123,12 @@ class LazyStorePolicy(StorePolicy):
         self._tick()
         view = self.view
         held, self._held = self._held, {}
-        picks = StorePicks(list(held.values()), list(held), list(held.values()))
+        picks = StorePicks(release_gpu_ids=list(held.values()))  # every hold ends with this event
+        is_saved, is_dead = view.is_saved, view.is_dead
+        for key, gpu_id in held.items():
+            if not is_saved(key) and not is_dead(key):  # it may have reached the CPU since (a remote fetch)
+                picks.gpu_ids.append(gpu_id)
+                picks.keys.append(key)
         picked = set(picks.keys)
         scanned: list[tuple[int, bytes | None]] = []
         # A picked block leaves the free queue while its store is in flight. If that outlasts the next
@@ -134,7 +139,6 @@ class LazyStorePolicy(StorePolicy):
         budget = float(self.lookahead + self._deficit)
         self._deficit = 0
         room = view.cpu_num_free_blocks() - len(picks.gpu_ids)
-        is_saved, is_dead = view.is_saved, view.is_dead
         for gpu_id, key in view.gpu_eviction_candidates():
             if budget <= 0:
                 break

@@ -104,6 +104,29 @@ def test_lazy_holds_a_finished_requests_blocks_when_the_pool_is_nearly_full():
     assert sched.get_num_new_matched_tokens(FakeRequest("B", list(range(9)), BS), 0) == (8, True)
 
 
+def test_a_held_block_saved_meanwhile_is_released_not_stored_again():
+    """A block held at finish may reach the CPU tier another way before the next metadata (the remote tier's
+    fetch completing): the store event leaves it out (reserving its key again is a caller bug), and the
+    hold is still released. Found by test_remote_state_machine."""
+    sched, gpu = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, block_size=BS,
+                                store_policy="lazy", lazy_lookahead_blocks=8)
+    a = FakeRequest("A", list(range(9)), BS)
+    _, _, ids = admit(sched, gpu, a)
+    sched.build_connector_meta([step_done("A", ids, 9)])
+    sched.request_finished(a)
+    gpu.free([gpu.blocks[i] for i in reversed(ids)])
+    assert sched.policy.num_held_blocks == 2
+    [cpu_block] = sched.cpu_pool.allocate(1)  # A's first block arrives on the CPU tier meanwhile
+    sched.cpu_pool.cache(cpu_block, with_group_id(a.block_hashes[0]))
+    sched.cpu_pool.free([cpu_block])
+    meta = sched.build_connector_meta([])
+    assert meta.store_gpu_blocks == [ids[1]]
+    assert gpu.blocks[ids[0]].ref_cnt == 0 and sched.policy.num_held_blocks == 0
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    assert sched.is_idle() and gpu.num_held_blocks() == 0
+    sched.check_integrity()
+
+
 def test_lazy_defers_an_admission_that_would_evict_unsaved_blocks_once():
     """A burst larger than the lookahead: the request waits one step while that step's store saves the
     blocks its allocation takes; it is deferred at most once."""
