@@ -60,6 +60,8 @@ class WorkerReport(msgspec.Struct, kw_only=True):
     completed_fetch_events: list[int] = msgspec.field(default_factory=list)  # remote tier: done (some may fail)
     failed_fetch_cpu_blocks: list[int] = msgspec.field(default_factory=list)  # ... blocks not fetched (miss)
     remote_counters: dict[str, int] = msgspec.field(default_factory=dict)  # remote tier: this rank's deltas
+    remote_written_keys: list[bytes] = msgspec.field(default_factory=list)  # ... cache keys of blocks whose
+    # copy from this rank is on the server now (written, or there already), since the previous report
 
     @property
     def is_empty(self) -> bool:

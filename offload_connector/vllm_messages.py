@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
@@ -56,6 +56,7 @@ def merge_reports(a: WorkerReport, b: WorkerReport) -> WorkerReport:
         failed_fetch_cpu_blocks=a.failed_fetch_cpu_blocks + b.failed_fetch_cpu_blocks,
         remote_counters={k: a.remote_counters.get(k, 0) + b.remote_counters.get(k, 0)
                          for k in a.remote_counters.keys() | b.remote_counters.keys()},
+        remote_written_keys=a.remote_written_keys + b.remote_written_keys,
     )
 
 
@@ -68,8 +69,8 @@ def to_vllm_events(events: Iterable[KVEvent], block_size: int) -> list[KVCacheEv
         group_id = int.from_bytes(event.block_hash[-4:], "big")
         if event.kind == "stored":
             out.append(BlockStored(block_hashes=[block_hash], parent_block_hash=None, token_ids=[],
-                                   block_size=block_size, lora_id=None, medium=MEDIUM_CPU, lora_name=None,
+                                   block_size=block_size, lora_id=None, medium=event.medium, lora_name=None,
                                    group_idx=group_id))
         else:
-            out.append(BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_CPU, group_idx=group_id))
+            out.append(BlockRemoved(block_hashes=[block_hash], medium=event.medium, group_idx=group_id))
     return out

@@ -106,7 +106,7 @@ class WorkerRole:
     def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
         report, self._report = self._report, None
         if report is None or (report.is_empty and not report.bytes_stored and not report.bytes_loaded
-                              and not report.remote_counters):
+                              and not report.remote_counters and not report.remote_written_keys):
             return None
         return OffloadWorkerMetadata(reports=[encode(report)])
 

@@ -37,6 +37,7 @@ class KVEvent:
 
     kind: str  # "stored" | "removed"
     block_hash: bytes  # the cache key (block hash + group id)
+    medium: str = "CPU"  # "CPU": our tier; "REMOTE": the shared server (stored only: it evicts silently)
 
 
 
@@ -79,10 +80,13 @@ class Completions:
                 self._on_store_report(event_id, False, rank)
             for event_id in report.failed_store_events:
                 self._on_store_report(event_id, True, rank)
-            if (report.completed_fetch_events or report.remote_counters) and self.remote is not None:
+            if (report.completed_fetch_events or report.remote_counters or report.remote_written_keys) and \
+                    self.remote is not None:
                 keys = self.remote.on_report(report)  # fetched blocks are now cached like stored ones
+                on_server = self.remote.take_on_server()
                 if self.emit_kv_events:
                     self._kv_events.extend(KVEvent("stored", key) for key in keys)
+                    self._kv_events.extend(KVEvent("stored", key, "REMOTE") for key in on_server)
 
     def _on_load_report(self, req_id: str, rank: int, failed_gpu_block_ids: set[int]) -> None:
         state = self._requests.get(req_id)

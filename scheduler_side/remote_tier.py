@@ -67,6 +67,11 @@ class RemoteTier:
         self._evicted_keys: list[bytes] = []
         self.enabled = True  # False after reset_cache: the weights may have changed, the server's KV not
         self.worker_counters: dict[str, int] = {}  # the workers' remote counters, summed over ranks
+        # Keys some ranks have reported on the server (insertion-ordered, oldest dropped past the bound: a
+        # rank's write may be dropped, and its key must not wait here forever); keys every rank reported.
+        self._on_server_ranks: dict[bytes, set[int]] = {}
+        self._max_on_server_pending = 4 * cpu_pool.num_blocks
+        self._on_server: list[bytes] = []
 
     def values(self) -> tuple[int, ...]:
         """Both sides' counters summed, in `REMOTE_COUNTERS` order (for stats)."""
@@ -183,6 +188,8 @@ class RemoteTier:
         """Apply one rank's fetch completions and counters; returns the keys that became hit-able on the CPU tier."""
         for name, delta in report.remote_counters.items():
             self.worker_counters[name] = self.worker_counters.get(name, 0) + delta
+        if report.remote_written_keys:
+            self._note_on_server(report.remote_written_keys, report.rank)
         committed: list[bytes] = []
         failed = set(report.failed_fetch_cpu_blocks)
         for event_id in report.completed_fetch_events:
@@ -200,6 +207,29 @@ class RemoteTier:
             if len(event.reported_ranks) == self.world_size:
                 committed += self._complete(event)
         return committed
+
+    def _note_on_server(self, keys: Sequence[bytes], rank: int) -> None:
+        """These blocks' copies from `rank` are on the server: a block is there once every rank's is."""
+        if self.world_size == 1:
+            self._on_server.extend(keys)
+            return
+        pending = self._on_server_ranks
+        for key in keys:
+            ranks = pending.get(key)
+            if ranks is None:
+                ranks = pending[key] = set()
+                if len(pending) > self._max_on_server_pending:
+                    del pending[next(iter(pending))]
+            ranks.add(rank)
+            if len(ranks) == self.world_size:
+                del pending[key]
+                self._on_server.append(key)
+
+    def take_on_server(self) -> list[bytes]:
+        """Cache keys whose every rank's copy reached the server since the last call (KV events, medium
+        REMOTE). The server evicts without telling anyone, so no removal ever follows."""
+        keys, self._on_server = self._on_server, []
+        return keys
 
     def _complete(self, event: FetchEvent) -> list[bytes]:
         del self._events[event.event_id]

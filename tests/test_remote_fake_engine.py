@@ -22,11 +22,16 @@ def test_second_engine_gets_remote_hits_on_the_first_ones_prefixes(redis_server,
     wl_a, wl_b = one_per_prefix("a", shared, 2), one_per_prefix("b", shared, 3)
     # 1. engine A computes the prefixes; its stores are written to the server
     with FakeEngine(remote_config(redis_server.url), tp_size=tp) as a:
+        a.connector.emit_kv_events = True
         run_workload(a, wl_a)
         clean(a)
         written = sum(w.remote.counters.written_blocks for w in a.workers)
         assert written > 0 and a.stats.cpu_hit_tokens == 0
         assert int(redis_server.cli("DBSIZE")) == written  # one key per block per rank
+        # every block is published once, with medium REMOTE, when every rank's copy is on the server
+        remote = [e for e in a.connector.take_events() if e.medium == "REMOTE"]
+        assert all(e.kind == "stored" for e in remote) and len({e.block_hash for e in remote}) == len(remote)
+        assert len(remote) * tp == written
     # 2. engine B: an empty CPU tier, each prefix once; its only hits come from the server
     with FakeEngine(remote_config(redis_server.url), tp_size=tp) as b:
         run_workload(b, wl_b)

@@ -190,3 +190,40 @@ def test_the_fetch_never_evicts_the_requests_own_cpu_hits() -> None:
     hit, ids = admit(sched, gpu, b)
     assert hit == 4 * BS  # x's blocks were evicted for the fetch, not a's, which b was about to hit
     sched.check_integrity()
+
+
+def test_blocks_on_the_server_are_published_once_every_rank_wrote_them() -> None:
+    """KV events with medium REMOTE: a block is on the server once each rank's copy is (written, or found
+    there already); one rank's report, or one repeated, publishes nothing; never a REMOTE removal."""
+    sched, _, _ = make(world_size=2)
+    k1, k2 = with_group_id(b"\x01" * 16), with_group_id(b"\x02" * 16)
+    sched.update_connector_output([WorkerReport(rank=0, remote_written_keys=[k1, k2]),
+                                   WorkerReport(rank=0, remote_written_keys=[k1])])
+    assert sched.take_events() == []
+    sched.update_connector_output(WorkerReport(rank=1, remote_written_keys=[k2]))
+    [event] = sched.take_events()
+    assert (event.kind, event.block_hash, event.medium) == ("stored", k2, "REMOTE")
+    sched.update_connector_output(WorkerReport(rank=1, remote_written_keys=[k1]))
+    assert [(e.block_hash, e.medium) for e in sched.take_events()] == [(k1, "REMOTE")]
+
+
+def test_keys_one_rank_never_wrote_do_not_pile_up() -> None:
+    """A rank's write can be dropped (queue full, server down): the keys waiting for the other ranks are
+    bounded (the oldest go), so a rank that drops writes for hours costs no memory."""
+    sched, _, _ = make(world_size=2, num_cpu_blocks=4)
+    keys = [with_group_id(i.to_bytes(16, "big")) for i in range(100)]
+    sched.update_connector_output(WorkerReport(rank=0, remote_written_keys=keys))
+    assert len(sched.remote._on_server_ranks) == 4 * 4  # the newest 16 still wait for rank 1
+    sched.update_connector_output(WorkerReport(rank=1, remote_written_keys=keys[-16:]))
+    assert [e.block_hash for e in sched.take_events()] == keys[-16:]
+    assert not sched.remote._on_server_ranks
+
+
+def test_one_rank_publishes_at_once_and_without_kv_events_nothing_is_kept() -> None:
+    sched, _, _ = make(world_size=1)
+    key = with_group_id(b"\x03" * 16)
+    sched.update_connector_output(WorkerReport(remote_written_keys=[key]))
+    assert [(e.block_hash, e.medium) for e in sched.take_events()] == [(key, "REMOTE")]
+    sched.emit_kv_events = False
+    sched.update_connector_output(WorkerReport(remote_written_keys=[key]))
+    assert sched.take_events() == [] and sched.remote.take_on_server() == []

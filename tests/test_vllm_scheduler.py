@@ -176,3 +176,16 @@ def test_stats_reach_vllm_every_n_steps_and_when_quiet() -> None:
     assert tracker.take(values, gauges, flush=True) is None  # nothing changed since
     with pytest.raises(ValueError, match="every"):
         StatsTracker(every=0)
+
+
+def test_remote_tier_blocks_become_block_stored_events_with_medium_remote() -> None:
+    """The remote tier's blocks (every rank's copy on the server) reach vLLM as BlockStored, medium REMOTE,
+    in the same hash form and group split as the CPU tier's."""
+    from offload_connector.hashing import with_group_id
+    from offload_connector.vllm_messages import to_vllm_events
+    from scheduler_side import KVEvent
+
+    block_hash = bytes(range(16))
+    [event] = to_vllm_events([KVEvent("stored", with_group_id(block_hash, 1), "REMOTE")], BS)
+    assert type(event).__name__ == "BlockStored" and event.medium == "REMOTE"
+    assert event.block_hashes == [maybe_convert_block_hash(block_hash)] and event.group_idx == 1

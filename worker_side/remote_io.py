@@ -7,7 +7,8 @@ Two daemon threads, each with its own `RemoteClient`, sharing one breaker and on
   corrupt value fails that block (a corrupt one is also deleted from the server). Results are polled.
   Invariant: a job writes only its own CPU blocks, which the scheduler holds (reserved) until it has seen
   every rank's result, so nobody else reads or writes those rows meanwhile.
-- the write thread drains a queue of (key, payload) snapshots with pipelined `SET key value NX EX ttl`.
+- the write thread drains a queue of (key, payload) snapshots with pipelined `SET key value NX EX ttl`;
+  the cache keys of blocks now on the server (written, or there already) go into the next report.
   `enqueue_write` copies the blocks' bytes out of the host pool on the caller's thread, at store completion,
   before the scheduler can hear of it and reuse the blocks: a write never reads a row that changed.
   The queue holds at most `max_inflight_bytes` of payload; beyond it, or while the breaker is open, blocks
@@ -82,10 +83,11 @@ class RemoteWorkerIO:
         self._results: list[FetchResult] = []
         self._lock = threading.Condition()
         self._fetches_in_flight = 0
-        self._writes: deque[tuple[bytes, bytes]] = deque()
+        self._writes: deque[tuple[bytes, bytes, bytes]] = deque()
         self._write_bytes = 0  # payload bytes queued or being written
         self._closed = False
         self._reported: dict[str, int] = {}  # counters at the last take_counter_deltas
+        self._on_server: list[bytes] = []  # cache keys this rank's copy of is on the server, not reported yet
         self._threads = [threading.Thread(target=self._fetch_loop, name=f"remote-fetch-{rank}", daemon=True),
                          threading.Thread(target=self._write_loop, name=f"remote-write-{rank}", daemon=True)]
         for t in self._threads:
@@ -170,7 +172,7 @@ class RemoteWorkerIO:
                 if self._write_bytes + size > limit:
                     self.counters.dropped_writes += 1
                     continue
-                self._writes.append((self.key(cache_key), self.rows.read(int(cpu_id))))
+                self._writes.append((cache_key, self.key(cache_key), self.rows.read(int(cpu_id))))
                 self._write_bytes += size
             self._lock.notify_all()
 
@@ -183,9 +185,9 @@ class RemoteWorkerIO:
                     return
                 batch, nbytes, step = [], 0, batch_blocks(self.rows.bytes_per_block)
                 while self._writes and len(batch) < step:
-                    key, payload = self._writes.popleft()
-                    batch.append((key, payload))
-                    nbytes += len(payload)
+                    item = self._writes.popleft()
+                    batch.append(item)
+                    nbytes += len(item[2])
             try:
                 self._write_batch(batch)
             except Exception:  # noqa: BLE001 - our bug; the queue must keep draining (wait_idle waits on it)
@@ -195,21 +197,34 @@ class RemoteWorkerIO:
                 self._write_bytes -= nbytes
                 self._lock.notify_all()
 
-    def _write_batch(self, batch: list[tuple[bytes, bytes]]) -> None:
-        replies = self._write_client.set_nx_many([(k, encode_value(k, p)) for k, p in batch],
+    def _write_batch(self, batch: list[tuple[bytes, bytes, bytes]]) -> None:
+        """(cache key, server key, payload) per block; the blocks now on the server join `_on_server`."""
+        replies = self._write_client.set_nx_many([(k, encode_value(k, p)) for _, k, p in batch],
                                                  self.remote.ttl_seconds)
         counters = self.counters
         if replies is None:
             counters.dropped_writes += len(batch)
             return
-        for (_, payload), reply in zip(batch, replies, strict=True):
+        on_server = []
+        for (cache_key, _, payload), reply in zip(batch, replies, strict=True):
             if reply is True:
                 counters.written_blocks += 1
                 counters.written_bytes += len(payload)
+                on_server.append(cache_key)
             elif reply is False:
                 counters.write_exists += 1
+                on_server.append(cache_key)
             else:
                 counters.dropped_writes += 1  # refused by the server (e.g. OOM): counted in errors too
+        with self._lock:
+            self._on_server.extend(on_server)
+
+    def take_on_server_keys(self) -> list[bytes]:
+        """Cache keys of the blocks written (or found there already) since the previous call, for the
+        worker's report: the scheduler publishes them as KV events with medium REMOTE."""
+        with self._lock:
+            keys, self._on_server = self._on_server, []
+        return keys
 
     def take_counter_deltas(self) -> dict[str, int]:
         """The counters' changes since the previous call (non-zero ones only), for the worker's report."""

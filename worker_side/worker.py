@@ -255,6 +255,7 @@ class OffloadWorker:
                 report.completed_fetch_events.append(fetch.event_id)
                 report.failed_fetch_cpu_blocks.extend(fetch.failed_cpu_ids)
             report.remote_counters = self.remote.take_counter_deltas()
+            report.remote_written_keys = self.remote.take_on_server_keys()
         return report
 
     def wait_all(self) -> None:

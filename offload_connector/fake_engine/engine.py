@@ -233,6 +233,8 @@ class FakeEngine:
             raise EngineStallError("transfers still in flight after 1000 drain rounds (our bug)")
         for worker in self.workers:
             worker.wait_all()  # the remote tier's writes queued by the last completions reach the server
+        if any(worker.remote is not None for worker in self.workers):
+            self._poll_worker(wait_for_loads=False)  # ... and the connector hears of them (REMOTE KV events)
 
     def check(self) -> int:
         """Drain, count blocks still referenced beyond live requests (leaks), check every pool's invariants."""
