@@ -34,12 +34,13 @@ class StandInClient:
         self.busy_s = 0.0  # the thread's CPU time spent inside the calls
         self.burn = 0  # iterations of busy work per call
         self.on_call = None  # called at the start of each call (in the lookup thread)
+        self.gate_timeout: float | None = WAIT_S  # None: a stalled server that never answers
 
     def leading_present(self, key_lists):
         if self.on_call is not None:
             self.on_call()
         self.entered.set()
-        if not self.gate.wait(WAIT_S):
+        if not self.gate.wait(self.gate_timeout):
             raise RuntimeError("stand-in gate never opened")
         start = time.thread_time()
         x = 0
