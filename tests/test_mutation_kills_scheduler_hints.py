@@ -101,3 +101,21 @@ def test_a_superseded_block_loses_its_cpu_copy_once(group_id: int) -> None:
     b = FakeRequest("B", list(range(8)) + [50, 51, 52, 53, 54], BS)  # supersedes A's third block
     admit(sched, gpu, b, gpu_hit_tokens=0)
     assert sched.cpu_pool.lookup(x) is None and sched.stats.num_dropped_blocks == 1
+
+
+def test_store_false_revives_the_dead_blocks_it_hits_on_the_gpu_and_on_the_cpu() -> None:
+    """A `store: false` request that hits dead blocks on both tiers (the GPU's first, then a CPU hit of
+    n blocks) makes every hit block live: "new" starts after the GPU hit *plus* the CPU hit."""
+    sched, gpu = make_scheduler(block_size=BS)
+    a = hinted(FakeRequest("A", list(range(13)), BS), session="s")
+    _, _, ids = admit(sched, gpu, a)
+    meta = sched.build_connector_meta([step_done("A", ids, 13)])
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    finish(sched, gpu, a, ids)
+    assert sched.close_session("s") == 3  # A's three full blocks die, their CPU copies demoted (still cached)
+    keys = [with_group_id(h) for h in a.block_hashes[:3]]
+    assert all(sched.admission.is_dead(k) for k in keys)
+    b = hinted(FakeRequest("B", list(range(13)) + [5, 5, 5], BS), store=False)
+    hit, _, _ = admit(sched, gpu, b, gpu_hit_tokens=BS)  # block 0 from the GPU, blocks 1-2 from the CPU
+    assert hit == 2 * BS
+    assert not any(sched.admission.is_dead(k) for k in keys)
