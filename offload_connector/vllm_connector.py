@@ -60,6 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -269,6 +270,14 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, self._work("get_finished").get_finished()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`'s loads, and with several KV-cache groups the requests whose load failed
+        (`failed_recving`, also in `finished_recving`): vLLM cannot take failed block ids from hybrid
+        models (it raises), so there they go by request."""
+        _, finished = self.get_finished(finished_req_ids)
+        failed = self._work("get_transfer_results").failed_load_requests()
+        return KVConnectorTransferResults(finished_recving=set(finished or ()), failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         role = self.connector_worker

@@ -208,6 +208,7 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
                 meta.load_gpu_blocks.extend(job.gpu_block_ids)
                 meta.load_cpu_blocks.extend(b.block_id for b in job.cpu_blocks)
                 meta.load_event_reqs.append(state.request_id)
+                meta.load_req_num_blocks.append(job.num_blocks)
                 self.stats.num_loaded_blocks += job.num_blocks
             self._loads_to_send.clear()
 

@@ -80,6 +80,7 @@ class Sim:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}; allowed: {', '.join(MODES)}")
         self.mode = mode
+        self.window = window
         model_config = ModelConfig(model=MODEL_DIR, skip_tokenizer_init=True, dtype="float32", seed=0)
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=1024,
