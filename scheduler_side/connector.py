@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from offload_connector.config import OffloadConfig
+from offload_connector.hashing import group_suffix
 from offload_connector.metadata import TransferMetadata
 from offload_connector.remote_format import RemoteIdentity
 from scheduler_side.admission import AdmissionFilter
@@ -93,6 +94,7 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
             raise ValueError(f"block_size={self.block_size} and world_size={self.world_size} must be positive")
         self.groups = self.groups or (KVGroup(self.group_id),)
         self._hybrid = len(self.groups) > 1
+        self._other_suffixes = tuple(group_suffix(g.group_id) for g in self.groups[1:])
         if self._hybrid:
             check_groups_supported(self.config, self.groups)
             self.group_id = self.groups[0].group_id  # admission and ARC judge content by group 0's keys

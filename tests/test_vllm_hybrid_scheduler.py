@@ -69,8 +69,9 @@ def test_every_completed_block_of_both_groups_is_stored(mode: str) -> None:
     sim.assert_no_leaks()
 
 
-def test_cpu_hit_loads_full_blocks_and_only_the_window_blocks(mode: str) -> None:
-    sim, prefix = stored_prefix(mode)
+@pytest.mark.parametrize("eviction", ["lru", "arc"])
+def test_cpu_hit_loads_full_blocks_and_only_the_window_blocks(mode: str, eviction: str) -> None:
+    sim, prefix = stored_prefix(mode, eviction=eviction)
     offload = sim.connector.offload
     sim.add("B", prefix + tokens(4, 16))
     sim.step()
@@ -139,6 +140,21 @@ def test_long_prompt_stores_only_blocks_vllm_still_holds_and_hits_past_the_windo
     sim.add("B", prompt[:144] + tokens(6, 16))
     sim.run_until_idle()
     assert (offload.stats.num_hit_tokens, offload.stats.num_loaded_blocks) == (144, 9 + 2)
+    sim.assert_no_leaks()
+
+
+def test_hints_apply_to_every_groups_copy(mode: str) -> None:
+    """The admission filter judges a block by group 0's key; what it decides holds for the block's copy in
+    every group: `store: false` stores neither, closing a session demotes both."""
+    sim = Sim(mode=mode, num_gpu_blocks=24, window=WINDOW)
+    offload = sim.connector.offload
+    sim.add("A", tokens(1, 64), hints={"store": False})
+    sim.run_until_idle()
+    assert offload.stats.num_stored_blocks == 0
+    sim.add("S", tokens(2, 64), hints={"session": "s"})
+    sim.run_until_idle()
+    assert offload.stats.num_stored_blocks == 8
+    assert offload.close_session("s") == 8  # 4 blocks in each of the 2 groups
     sim.assert_no_leaks()
 
 

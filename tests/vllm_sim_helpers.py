@@ -136,10 +136,12 @@ class Sim:
 
         self.connector.take_events = recording_take_events  # type: ignore[method-assign]
 
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1) -> Request:
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1, hints: dict | None = None) -> Request:
         params = SamplingParams(max_tokens=max_tokens)
         params.update_from_generation_config({}, EOS)
         req = Request(req_id, tokens, params, None, block_hasher=get_request_block_hasher(BS, sha256))
+        if hints is not None:
+            req.kv_transfer_params = hints  # what vLLM sets from the client's kv_transfer_params
         self.sched.add_request(req)
         self.reqs[req_id] = req
         return req
