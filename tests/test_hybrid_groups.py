@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from offload_connector.config import load_config
+from offload_connector.metadata import WorkerReport
 from scheduler_side import OffloadScheduler
 from scheduler_side.block_pool import BlockPool
 from scheduler_side.groups import KVGroup, hybrid_hit_end
@@ -69,3 +70,29 @@ def test_the_scheduler_refuses_what_several_groups_do_not_support(extra: dict, m
         OffloadScheduler(load_config({"num_cpu_blocks": 8, **extra}), BS, 8, gpu, groups=groups)
     sched = OffloadScheduler(load_config({"num_cpu_blocks": 8}), BS, 8, gpu, groups=groups)
     assert sched.groups == groups and sched.group_id == 0
+
+
+def test_a_window_block_picked_late_is_stored_only_while_vllm_still_holds_it() -> None:
+    """Hashes can lag the computed tokens (speculative decoding hashes a block once its drafts are
+    accepted): a window block whose hash arrives after the window moved past it may already be dropped and
+    reused by vLLM, so it is not stored; the full-attention group's copy still is."""
+    from helpers import FakeRequest
+
+    from scheduler_side import StepRequest
+
+    bs, groups = 4, (KVGroup(0), KVGroup(1, window=8))
+    gpu = BlockPool(64)
+    sched = OffloadScheduler(load_config({"num_cpu_blocks": 64}), bs, 64, BlockPoolGpuView(gpu), groups=groups)
+    req = FakeRequest("r", list(range(36)), bs)
+    hashes = req.block_hashes
+    req.block_hashes = hashes[:2]  # the engine has hashed 2 of the 8 full blocks so far
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    ids = [[b.block_id for b in gpu.allocate(9)] for _ in groups]
+    sched.update_state_after_alloc(req, ids, 0)
+    meta = sched.build_connector_meta([StepRequest("r", ids, 32, True)])
+    assert meta.store_gpu_blocks == ids[0][:2] + ids[1][:2]
+    sched.update_connector_output(WorkerReport(completed_store_events=[meta.store_event]))
+    req.block_hashes = hashes  # one decode step later every block has its hash
+    meta = sched.build_connector_meta([StepRequest("r", ([], []), 33)])
+    # Before this step 32 tokens were computed: the window then starts at block (32 - 7) // 4 = 6.
+    assert meta.store_gpu_blocks == ids[0][2:8] + ids[1][6:8]
