@@ -215,13 +215,16 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
             self._loads_to_send.clear()
 
         requests, on_scheduled, on_alloc = self._requests, self.policy.on_scheduled, self.policy.on_blocks_allocated
+        if self._hybrid:  # new_gpu_block_ids: one list per group (hybrid.py)
+            for req_id, new_gpu_block_ids, num_computed_tokens, replace_blocks in scheduled:
+                state = requests.get(req_id)
+                if state is not None:
+                    self._schedule_groups(state, new_gpu_block_ids, num_computed_tokens, replace_blocks)
+            scheduled = ()
         for req_id, new_gpu_block_ids, num_computed_tokens, replace_blocks in scheduled:
             state = requests.get(req_id)
             if state is None:
                 continue  # the engine schedules requests the connector never saw (e.g. no lookup)
-            if self._hybrid:  # new_gpu_block_ids: one list per group
-                self._schedule_groups(state, new_gpu_block_ids, num_computed_tokens, replace_blocks)
-                continue
             if replace_blocks:
                 state.gpu_block_ids = list(new_gpu_block_ids)
             else:
