@@ -12,8 +12,8 @@ Three engines:
   window are freed as the request advances);
 - `hma_off`: no connector, `disable_hybrid_kv_cache_manager=True`: one group, every layer keeps the
   whole sequence;
-- `connector`: with OffloadConnector, which does not declare `SupportsHMA`, so vLLM turns HMA off (the
-  cost of using the connector with a hybrid model today).
+- `connector`: with OffloadConnector, which declares `SupportsHMA`, so vLLM keeps HMA on (before issue 13
+  it did not, and vLLM turned HMA off: the figures of `hma_off`).
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 HF_HUB_OFFLINE=1 \\
         python benchmarks/hma_memory.py [--prompt 1024] [--decode 64] [--json]
@@ -52,7 +52,7 @@ def make_llm(engine: str, max_model_len: int):
     return LLM(model=MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, block_size=32,
                enforce_eager=True, max_model_len=max_model_len, max_num_seqs=1, seed=0, dtype="float32",
                max_num_batched_tokens=max_model_len, disable_hybrid_kv_cache_manager=True if engine == "hma_off" else None,
-               kv_transfer_config=ktc)  # None: vLLM decides (off with a connector lacking HMA)
+               kv_transfer_config=ktc)  # None: vLLM decides (on: the connector supports HMA)
 
 
 def held_blocks(scheduler) -> list[int]:

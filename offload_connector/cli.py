@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--full-size", action="store_true",
                     help="bundled trace only: 512 tokens per hash id as recorded (slow: use --limit)")
     rp.add_argument("--limit", type=_positive, metavar="N", help="replay only the first N requests")
+    rp.add_argument("--hybrid", type=_positive, nargs="?", const=0, metavar="WINDOW",
+                    help="hybrid model: odd layers attend within a sliding window of WINDOW tokens (default 4 "
+                         "blocks) as a second KV-cache group; the report gives each group's hits")
     rp.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     rp.add_argument("--plot", metavar="FILE", help="write a PNG of the hit ratio over time (needs matplotlib)")
     rp.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
@@ -133,7 +136,8 @@ def _replay(args: argparse.Namespace) -> int:
     gpu_blocks, cpu_blocks, sizes_from = _pool_sizes(args, bundled and scaled)
     config = replay_config(args.config, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
                            store_policy=args.store_policy, eviction=args.eviction,
-                           max_num_seqs=args.max_num_seqs, branch_filter=False if args.no_branch_filter else None)
+                           max_num_seqs=args.max_num_seqs, branch_filter=False if args.no_branch_filter else None,
+                           hybrid_window=args.hybrid)
     if not requests:
         print(f"warning: trace {trace} holds no request", file=sys.stderr)
     bar = None if args.quiet else ProgressBar()

@@ -58,6 +58,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # The fake engine's CPU tier when the top-level `num_cpu_blocks` is unset (instead of `cpu_bytes`,
     # which would buy millions of the fake model's tiny blocks). None: size it from `cpu_bytes`.
     num_cpu_blocks: Annotated[int, msgspec.Meta(ge=2)] | None = None
+    # Hybrid mode (a model like Gemma 2 under vLLM's hybrid KV cache manager): odd layers attend only to the
+    # last `sliding_window` tokens and form a second KV-cache group. Needs num_layers >= 2, store_policy
+    # eager and no remote tier. None: every layer is full attention (one group).
+    sliding_window: PositiveInt | None = None
 
 
 class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -181,6 +185,16 @@ def _translate(err: msgspec.ValidationError, data: Mapping[str, Any]) -> ConfigE
 
 def _validate(cfg: OffloadConfig) -> OffloadConfig:
     cfg.cpu_bytes = parse_size("cpu_bytes", cfg.cpu_bytes)
+    if cfg.engine.sliding_window is not None:  # the fake engine's hybrid mode (two KV-cache groups)
+        if cfg.engine.num_layers < 2:
+            raise ConfigError("engine.num_layers", cfg.engine.num_layers, ">= 2 with engine.sliding_window",
+                              "odd layers form the sliding-window group")
+        if cfg.store_policy != "eager":
+            raise ConfigError("store_policy", cfg.store_policy, "eager with engine.sliding_window",
+                              "several KV-cache groups")
+        if cfg.remote is not None:
+            raise ConfigError("remote", "a remote section", "none with engine.sliding_window",
+                              "several KV-cache groups")
     if cfg.remote is not None:
         problem = check_remote(cfg.remote)
         if problem is not None:

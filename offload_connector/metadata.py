@@ -5,7 +5,9 @@ Direction words: *store* is GPU->CPU, *load* is CPU->GPU (never swap/spill/fetch
 - `TransferMetadata`: scheduler -> workers, once per step. All loads of a step form one load event and
   all stores one store event. `load_gpu_blocks[i]` receives `load_cpu_blocks[i]`; `store_gpu_blocks[i]`
   is copied into `store_cpu_blocks[i]`. `load_event_reqs` names the requests whose blocks the load brings
-  back; they finish together (which blocks are whose is the scheduler's `LoadJob`, never needed here).
+  back; they finish together. `load_req_num_blocks[k]` counts the blocks of `load_event_reqs[k]`, whose
+  blocks follow those of the requests before it (so a worker can name the requests a failed block hurts:
+  `WorkerReport.failed_load_reqs`; empty from a scheduler that does not fill it).
   Invariants: equal lengths per pair of lists; no GPU block appears twice in a step's loads; a store's GPU
   blocks hold KV that this step's forward has completed once it has run.
   With the remote tier (remote_config.py): `fetch_cpu_blocks[i]` receives the block whose cache key is
@@ -30,6 +32,7 @@ class TransferMetadata(msgspec.Struct, kw_only=True):
     load_gpu_blocks: list[int] = msgspec.field(default_factory=list)
     load_cpu_blocks: list[int] = msgspec.field(default_factory=list)
     load_event_reqs: list[str] = msgspec.field(default_factory=list)
+    load_req_num_blocks: list[int] = msgspec.field(default_factory=list)  # per load_event_reqs entry
     store_event: int | None = None
     store_gpu_blocks: list[int] = msgspec.field(default_factory=list)
     store_cpu_blocks: list[int] = msgspec.field(default_factory=list)
@@ -53,6 +56,9 @@ class WorkerReport(msgspec.Struct, kw_only=True):
     completed_store_events: list[int] = msgspec.field(default_factory=list)
     failed_store_events: list[int] = msgspec.field(default_factory=list)
     failed_load_gpu_blocks: list[int] = msgspec.field(default_factory=list)
+    # Requests of the reported loads with a failed block (all of a failed job's requests when the metadata
+    # had no load_req_num_blocks). vLLM takes these, not block ids, from models with several KV-cache groups.
+    failed_load_reqs: list[str] = msgspec.field(default_factory=list)
     bytes_stored: int = 0
     bytes_loaded: int = 0
     store_seconds: float = 0.0

@@ -64,6 +64,7 @@ class ReplayResult:
             gpu_blocks=eng.num_gpu_blocks,
             cpu_blocks=self.num_cpu_blocks,
             block_size=eng.block_size,
+            sliding_window=eng.sliding_window,
             error=self.error,
         )
         out["connector"] = dict(self.connector)
@@ -73,8 +74,11 @@ class ReplayResult:
 
 def replay_config(config: str | Path | Mapping[str, Any] | None = None, *, gpu_blocks: int | None = None,
                   cpu_blocks: int | None = None, store_policy: str | None = None, eviction: str | None = None,
-                  max_num_seqs: int | None = None, branch_filter: bool | None = None) -> OffloadConfig:
-    """The replay's config: the file (or mapping, or the embedded default) with the overrides applied."""
+                  max_num_seqs: int | None = None, branch_filter: bool | None = None,
+                  hybrid_window: int | None = None) -> OffloadConfig:
+    """The replay's config: the file (or mapping, or the embedded default) with the overrides applied.
+    `hybrid_window` (tokens; 0: `HYBRID_WINDOW_BLOCKS` blocks) turns on the fake engine's hybrid mode
+    (`engine.sliding_window`)."""
     data = config_source_dict(config)
     override: dict[str, Any] = {}
     engine: dict[str, Any] = {}
@@ -92,10 +96,16 @@ def replay_config(config: str | Path | Mapping[str, Any] | None = None, *, gpu_b
         override["store_policy"] = store_policy
     if branch_filter is not None:
         override["branch_filter"] = branch_filter
+    config = load_config(merge_configs(data, override))
+    if hybrid_window is None:
+        return config
+    engine["sliding_window"] = hybrid_window or HYBRID_WINDOW_BLOCKS * config.engine.block_size
+    override["engine"] = engine
     return load_config(merge_configs(data, override))
 
 
 ProgressFn = Callable[[int, int, EngineStats], None]
+HYBRID_WINDOW_BLOCKS = 4  # `replay --hybrid` without a window: a sliding window of 4 blocks
 
 
 def run_replay(config: OffloadConfig, requests: list[TraceRequest], *, scaled: bool, trace_name: str = "",

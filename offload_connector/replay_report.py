@@ -31,6 +31,17 @@ def _connector_lines(c: dict[str, float]) -> list[str]:
     ]
 
 
+def _group_lines(result: ReplayResult) -> list[str]:
+    """Hybrid mode: each KV-cache group's GPU-hit and CPU-loaded blocks (nothing with one group)."""
+    s = result.stats
+    if not s.group_loaded_blocks:
+        return []
+    names = ["full attention", f"sliding window {result.config.engine.sliding_window} tokens"]
+    return [f"  KV group {g}  {name}: {hit:,} GPU-hit blocks, {loaded:,} blocks loaded from the CPU tier"
+            for g, (name, hit, loaded) in enumerate(zip(names, s.group_gpu_hit_blocks, s.group_loaded_blocks,
+                                                         strict=True))]
+
+
 def format_report(result: ReplayResult) -> str:
     s = result.stats
     d = result.to_dict()
@@ -53,6 +64,7 @@ def format_report(result: ReplayResult) -> str:
         f"  engine      {s.steps} steps, {s.output_tokens:,} output tokens, {s.num_preemptions} preemptions, "
         f"{s.recomputed_tokens:,} recomputed tokens",
         f"  GPU evicted {s.gpu_evictions:,} cached blocks, {s.gpu_evictions_unsaved:,} of them on neither tier",
+        *_group_lines(result),
         *_connector_lines(result.connector),
         f"  integrity   {s.integrity_errors} errors ({s.verified_tokens:,} token reads verified), "
         f"{s.leaked_blocks} leaked blocks",

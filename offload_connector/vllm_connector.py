@@ -16,6 +16,10 @@ only through `OffloadConnectorMetadata` (scheduler -> workers, each step) and `O
 `vllm_messages.py`. This class keeps what both roles share: the resolved config, the KV-cache shape and
 the CPU block count.
 
+Hybrid models: the class declares vLLM's `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on and
+hands every hook one block list per KV-cache group (full attention, sliding window); the scheduler role
+passes them on per group (scheduler_side/hybrid.py), the worker copies whole block ids as for one group.
+
 Per-step order in vLLM 0.32 and what each hook does here:
   scheduler: get_num_new_matched_tokens -> update_state_after_alloc -> build_connector_meta
   worker:    bind_connector_metadata (the backend fences this step's loads on the compute launched so
@@ -56,6 +60,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -64,6 +70,7 @@ from offload_connector.vllm_messages import OffloadConnectorMetadata, OffloadWor
 from offload_connector.vllm_setup import (
     KVCacheShape,
     adopt_vllm_logging,
+    check_groups_config,
     check_vllm_version,
     describe_kv_cache,
     resolve_config,
@@ -90,7 +97,7 @@ __all__ = ["OffloadConnector", "OffloadConnectorMetadata", "OffloadWorkerMetadat
 logger = logging.getLogger(__name__)
 
 
-class OffloadConnector(KVConnectorBase_V1):
+class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """CPU tier for vLLM's KV cache: evicted prefixes come back from host RAM instead of recomputation."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -102,6 +109,7 @@ class OffloadConnector(KVConnectorBase_V1):
         adopt_vllm_logging()  # our start-up line and warnings reach vLLM's log, formatted as vLLM's
         self.config = resolve_config(self._kv_transfer_config.kv_connector_extra_config)
         self.shape: KVCacheShape = describe_kv_cache(vllm_config, kv_cache_config)
+        check_groups_config(self.config, self.shape)  # a hybrid model: eager stores, no remote tier
         self.num_cpu_blocks = self.shape.num_cpu_blocks(self.config)
         remote = None
         if self.config.remote is not None:  # the shared tier (remote_config.py); off by default
@@ -193,6 +201,12 @@ class OffloadConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched("request_finished").request_finished(request)
 
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """`SupportsHMA`: vLLM 0.32 calls this instead of `request_finished`, once, for every model (one
+        group or several). Never delays the free: in-flight transfers hold their own references."""
+        return self._sched("request_finished_all_groups").request_finished(request)
+
     def reset_cache(self) -> bool:
         """Forget every CPU-tier entry, in-flight stores included (`OffloadScheduler.reset_cache`); False
         (vLLM's reset then reports failure) while the lazy policy holds blocks not yet stored."""
@@ -256,6 +270,14 @@ class OffloadConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, self._work("get_finished").get_finished()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`'s loads, and with several KV-cache groups the requests whose load failed
+        (`failed_recving`, also in `finished_recving`): vLLM cannot take failed block ids from hybrid
+        models (it raises), so there they go by request."""
+        _, finished = self.get_finished(finished_req_ids)
+        failed = self._work("get_transfer_results").failed_load_requests()
+        return KVConnectorTransferResults(finished_recving=set(finished or ()), failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         role = self.connector_worker

@@ -50,6 +50,7 @@ def merge_reports(a: WorkerReport, b: WorkerReport) -> WorkerReport:
         completed_store_events=a.completed_store_events + b.completed_store_events,
         failed_store_events=a.failed_store_events + b.failed_store_events,
         failed_load_gpu_blocks=a.failed_load_gpu_blocks + b.failed_load_gpu_blocks,
+        failed_load_reqs=a.failed_load_reqs + b.failed_load_reqs,
         bytes_stored=a.bytes_stored + b.bytes_stored, bytes_loaded=a.bytes_loaded + b.bytes_loaded,
         store_seconds=a.store_seconds + b.store_seconds, load_seconds=a.load_seconds + b.load_seconds,
         completed_fetch_events=a.completed_fetch_events + b.completed_fetch_events,

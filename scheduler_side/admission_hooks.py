@@ -7,14 +7,15 @@ per request from its `kv_transfer_params` (only once the filter is active: with 
 the first request with a hint on; an engine whose clients send no hints pays nothing per block) (a malformed one is counted in `num_bad_hints`, logged and
 ignored); keys that die as a superseded branch lose their CPU copies (`BlockPool.discard`), keys of a
 closed session have theirs moved to the eviction end (`BlockPool.demote`). Held CPU blocks (a transfer in
-flight) are left alone either way.
+flight) are left alone either way. The filter judges content by group 0's keys; with several KV-cache
+groups (a hybrid model) what it decides applies to the same block's copy in every group.
 """
 
 from __future__ import annotations
 
 import logging
 
-from offload_connector.hashing import with_group_id
+from offload_connector.hashing import group_suffix, with_group_id
 from scheduler_side.admission import AdmissionFilter
 from scheduler_side.block_pool import BlockPool
 from scheduler_side.hints import parse_hints
@@ -31,6 +32,14 @@ class Admissions:
     cpu_pool: BlockPool
     stats: SchedulerStats
     group_id: int
+    _other_suffixes: tuple[bytes, ...]  # several KV-cache groups: the key suffixes of groups but group 0's
+
+    def _copies(self, key: bytes) -> list[bytes]:
+        """`key` (a group-0 key) and, with several KV-cache groups, the same block's key in each other group."""
+        if not self._other_suffixes:
+            return [key]
+        base = key[:-len(group_suffix(self.group_id))]
+        return [key] + [base + suffix for suffix in self._other_suffixes]
 
     def _admit_keys(self, state: RequestState, extends: bool, first_new: int = 0) -> None:
         """Tell the admission filter the request's block keys (all of them when admitted, with `extends`;
@@ -54,9 +63,10 @@ class Admissions:
         state.num_admitted_keys = len(hashes)
         cpu_pool = self.cpu_pool
         for key in died:
-            block = cpu_pool.lookup(key)
-            if block is not None and cpu_pool.discard(block):
-                self.stats.num_dropped_blocks += 1
+            for copy in self._copies(key):
+                block = cpu_pool.lookup(copy)
+                if block is not None and cpu_pool.discard(block):
+                    self.stats.num_dropped_blocks += 1
 
     def _admit_finished(self, state: RequestState) -> None:
         """A finishing request: the blocks it completed since admission (its output) join the tree, and its
@@ -75,8 +85,9 @@ class Admissions:
         self.stats.num_closed_sessions += 1
         cpu_pool, demoted = self.cpu_pool, 0
         for key in reversed(keys):  # each goes to the head: the oldest ends nearest it
-            block = cpu_pool.lookup(key)
-            if block is not None and cpu_pool.demote(block):
-                demoted += 1
+            for copy in self._copies(key):
+                block = cpu_pool.lookup(copy)
+                if block is not None and cpu_pool.demote(block):
+                    demoted += 1
         self.stats.num_demoted_blocks += demoted
         return demoted

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from offload_connector.config import OffloadConfig
+from offload_connector.hashing import group_suffix
 from offload_connector.metadata import TransferMetadata
 from offload_connector.remote_format import RemoteIdentity
 from scheduler_side.admission import AdmissionFilter
@@ -36,6 +37,8 @@ from scheduler_side.block_pool import BlockPool
 from scheduler_side.completions import Completions, KVEvent
 from scheduler_side.errors import SchedulerError
 from scheduler_side.free_queue import Block
+from scheduler_side.groups import KVGroup
+from scheduler_side.hybrid import HybridGroups
 from scheduler_side.interfaces import GpuPool, RequestLike, StepRequest
 from scheduler_side.lazy_policy import LazyStorePolicy
 from scheduler_side.lookups import Lookups
@@ -48,6 +51,17 @@ from scheduler_side.store_policy import EagerStorePolicy, PolicyView, StorePolic
 logger = logging.getLogger(__name__)
 
 
+def check_groups_supported(config: OffloadConfig, groups: tuple[KVGroup, ...]) -> None:
+    """Several KV-cache groups need `store_policy: eager` and no `remote` tier; raises `ValueError` naming
+    the key and what is allowed (before anything is allocated)."""
+    if config.store_policy != "eager":
+        raise ValueError(f"store_policy={config.store_policy!r} supports one KV-cache group; this model has "
+                         f"{len(groups)} (a hybrid model); allowed with several groups: eager")
+    if config.remote is not None:
+        raise ValueError(f"remote: the remote tier supports one KV-cache group; this model has {len(groups)} "
+                         "(a hybrid model); allowed with several groups: no remote section")
+
+
 def make_store_policy(config: OffloadConfig, view: PolicyView) -> StorePolicy:
     if config.store_policy == "eager":
         return EagerStorePolicy(view)
@@ -57,7 +71,7 @@ def make_store_policy(config: OffloadConfig, view: PolicyView) -> StorePolicy:
 
 
 @dataclass
-class OffloadScheduler(Lookups, Completions, Admissions):
+class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
     config: OffloadConfig
     block_size: int
     num_cpu_blocks: int
@@ -68,6 +82,9 @@ class OffloadScheduler(Lookups, Completions, Admissions):
     num_gpu_blocks: int | None = None  # the engine's GPU pool size (ARC remembers GPU + CPU reused keys)
     emit_kv_events: bool = True  # collect BlockStored/BlockRemoved for `take_events` (off: none kept)
     remote_identity: RemoteIdentity | None = None  # what the remote tier's keys name (config.remote only)
+    # The model's KV-cache groups (groups.py); None: one full-attention group, `group_id`. Several groups
+    # (a hybrid model) take hybrid.py's paths and need store_policy eager and no remote tier.
+    groups: tuple[KVGroup, ...] | None = None
     cpu_pool: BlockPool = field(init=False)
     admission: AdmissionFilter = field(init=False)
     stats: SchedulerStats = field(init=False, default_factory=SchedulerStats)
@@ -75,6 +92,12 @@ class OffloadScheduler(Lookups, Completions, Admissions):
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.world_size <= 0:
             raise ValueError(f"block_size={self.block_size} and world_size={self.world_size} must be positive")
+        self.groups = self.groups or (KVGroup(self.group_id),)
+        self._hybrid = len(self.groups) > 1
+        self._other_suffixes = tuple(group_suffix(g.group_id) for g in self.groups[1:])
+        if self._hybrid:
+            check_groups_supported(self.config, self.groups)
+            self.group_id = self.groups[0].group_id  # admission and ARC judge content by group 0's keys
         self.cpu_pool = BlockPool(self.num_cpu_blocks, on_evict=self._on_cpu_evict,
                                   eviction=self.config.eviction,
                                   history=self.num_cpu_blocks + (self.num_gpu_blocks or self.num_cpu_blocks))
@@ -101,10 +124,14 @@ class OffloadScheduler(Lookups, Completions, Admissions):
     ) -> None:
         """Map the pending hit onto the newly allocated GPU blocks and start tracking the request.
 
-        `gpu_block_ids` are all of the request's blocks (GPU-hit ones first), as vLLM passes them. Stores
-        start after the GPU-hit and loaded blocks (eager stores what the forward computes). A call that
-        does not match the pending hit raises `SchedulerError` and changes nothing.
+        `gpu_block_ids` are all of the request's blocks (GPU-hit ones first), as vLLM passes them; with
+        several KV-cache groups, one such list per group. Stores start after the GPU-hit and loaded blocks
+        (eager stores what the forward computes). A call that does not match the pending hit raises
+        `SchedulerError` and changes nothing.
         """
+        group_block_ids = None
+        if self._hybrid:
+            group_block_ids, gpu_block_ids = gpu_block_ids, gpu_block_ids[0] if gpu_block_ids else []
         state = self._requests.get(request.request_id)
         if state is not None and state.request is not request:
             raise SchedulerError(f"update_state_after_alloc for request id {request.request_id!r} with a different "
@@ -114,9 +141,13 @@ class OffloadScheduler(Lookups, Completions, Admissions):
                                  f"{state.phase.value}")
         hit = state.pending_hit if state is not None else None
         n = self._check_external_tokens(request, hit, gpu_block_ids, num_external_tokens)
+        job = self._group_load(state, hit, group_block_ids, n) if group_block_ids is not None and n else None
         if state is None:
             state = self._requests[request.request_id] = RequestState(request)
-        state.gpu_block_ids = list(gpu_block_ids)
+        if group_block_ids is not None:
+            self._set_group_blocks(state, group_block_ids)
+        else:
+            state.gpu_block_ids = list(gpu_block_ids)
         state.num_computed_tokens = 0
         if state.phase in (Phase.LOOKED_UP, Phase.PENDING_HIT):  # admitted: the GPU hit is now the request's
             state.num_store_checked_blocks = state.num_gpu_hit_blocks + n
@@ -131,15 +162,16 @@ class OffloadScheduler(Lookups, Completions, Admissions):
                     cpu_pool.discard(block)  # a held copy (a load source) stays
             self.policy.on_blocks_allocated(len(state.gpu_block_ids) - state.num_gpu_hit_blocks)
         state.pending_hit = None
-        if hit is not None:
-            self.cpu_pool.free(hit.cpu_blocks[n:])  # all of it when the engine took none of the hit
+        if hit is not None:  # all of it when the engine took none of the hit
+            self.cpu_pool.free(job[2] if job is not None else hit.cpu_blocks[n:])
         if hit is None or n == 0:
             state.move_to(Phase.RUNNING)
             return
         start = hit.num_computed_tokens // self.block_size
         # The CPU references move from the pending hit to the job. The GPU blocks stay the request's alone
         # while it lives (the engine frees them only after request_finished, which then protects them).
-        state.load = LoadJob(list(gpu_block_ids[start:start + n]), hit.cpu_blocks[:n])
+        state.load = (LoadJob(job[0], job[1]) if job is not None
+                      else LoadJob(list(gpu_block_ids[start:start + n]), hit.cpu_blocks[:n]))
         state.move_to(Phase.LOADING)
         self.stats.num_hit_tokens += num_external_tokens
         self._loads_to_send.append(state)
@@ -178,10 +210,17 @@ class OffloadScheduler(Lookups, Completions, Admissions):
                 meta.load_gpu_blocks.extend(job.gpu_block_ids)
                 meta.load_cpu_blocks.extend(b.block_id for b in job.cpu_blocks)
                 meta.load_event_reqs.append(state.request_id)
+                meta.load_req_num_blocks.append(job.num_blocks)
                 self.stats.num_loaded_blocks += job.num_blocks
             self._loads_to_send.clear()
 
         requests, on_scheduled, on_alloc = self._requests, self.policy.on_scheduled, self.policy.on_blocks_allocated
+        if self._hybrid:  # new_gpu_block_ids: one list per group (hybrid.py)
+            for req_id, new_gpu_block_ids, num_computed_tokens, replace_blocks in scheduled:
+                state = requests.get(req_id)
+                if state is not None:
+                    self._schedule_groups(state, new_gpu_block_ids, num_computed_tokens, replace_blocks)
+            scheduled = ()
         for req_id, new_gpu_block_ids, num_computed_tokens, replace_blocks in scheduled:
             state = requests.get(req_id)
             if state is None:
@@ -264,6 +303,7 @@ class OffloadScheduler(Lookups, Completions, Admissions):
         if state is not None and state.phase is Phase.RUNNING:
             state.move_to(Phase.NEW)
             state.gpu_block_ids = []
+            state.group_block_ids = None  # resumed with every group's whole list (replace_blocks)
             state.num_store_checked_blocks = 0
 
     # ------------------------------------------------------------------ introspection

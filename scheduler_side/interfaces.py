@@ -52,7 +52,8 @@ class StepRequest(NamedTuple):
     """One request scheduled this step.
 
     `new_gpu_block_ids` are appended to what the connector knows of the request's blocks; with
-    `replace_blocks` they are the request's whole block list (new or resumed requests).
+    `replace_blocks` they are the request's whole block list (new or resumed requests). With several
+    KV-cache groups (a hybrid model), `new_gpu_block_ids` holds one such sequence per group.
     `num_computed_tokens` is the count *after* this step's forward has run.
 
     An adapter may leave out a request that gets no new blocks, is not resumed, completes no block this

@@ -34,9 +34,11 @@ class Lookups:
     stats: SchedulerStats
     remote: RemoteTier | None
     _arc: bool
+    _hybrid: bool  # several KV-cache groups (hybrid.py)
     _requests: dict[str, RequestState]
 
     _drop_pending_hit: Callable[[RequestState], None]  # completions.py (an annotation: MRO keeps the method)
+    _lookup_groups: Callable[[RequestState, RequestLike, int], tuple[int | None, bool]]  # hybrid.py
 
     def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
         """CPU hit after the engine's GPU hit: (tokens to load, load is async), or (None, False) to retry.
@@ -69,6 +71,8 @@ class Lookups:
         if num_computed_tokens % bs:
             state.move_to(Phase.LOOKED_UP)
             return 0, False  # a partial GPU hit: the CPU run could not start on a block boundary
+        if self._hybrid:
+            return self._lookup_groups(state, request, num_computed_tokens)  # hybrid.py
         hashes = request.block_hashes
         first = num_computed_tokens // bs
         last = min(len(hashes), (request.num_tokens - 1) // bs)  # keep >= 1 token to compute

@@ -50,6 +50,7 @@ class PendingHit:
 
     cpu_blocks: list[Block]
     num_computed_tokens: int  # the engine's GPU hit when we looked; the CPU run starts right after it
+    slots: list[tuple[int, int]] | None = None  # several KV-cache groups: (group index, block index) of each
 
 
 @dataclass(slots=True)
@@ -102,7 +103,10 @@ class RemoteWait:
 @dataclass(slots=True)
 class RequestState:
     request: RequestLike
-    gpu_block_ids: list[int] = field(default_factory=list)  # the request's blocks, in token order
+    gpu_block_ids: list[int] = field(default_factory=list)  # the request's blocks, in token order (group 0)
+    # Several KV-cache groups (hybrid.py): every group's block list, [0] being `gpu_block_ids` itself; the
+    # null block (0) where vLLM dropped a block outside a sliding window. None with one group.
+    group_block_ids: list[list[int]] | None = None
     num_store_checked_blocks: int = 0  # store cursor: blocks before it were stored, cached or skipped
     num_computed_tokens: int = 0  # tokens whose KV is on the GPU after the last scheduled step
     num_gpu_hit_blocks: int = 0  # the engine's GPU prefix hit (blocks) at the last lookup

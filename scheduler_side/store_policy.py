@@ -24,11 +24,12 @@ Imports nothing from the scheduler (its types come from request_state and interf
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from offload_connector.hashing import group_suffix
+from scheduler_side.groups import KVGroup
 from scheduler_side.request_state import LoadJob, RequestState
 
 
@@ -96,6 +97,13 @@ class StorePolicy:
     def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None:
         """The request runs this step up to `num_computed_tokens`. May advance its store cursor."""
 
+    def on_scheduled_groups(self, state: RequestState, num_computed_before: int, num_computed_tokens: int,
+                            groups: Sequence[KVGroup]) -> None:
+        """`on_scheduled` for a model with several KV-cache groups (`state.group_block_ids`); the request
+        had `num_computed_before` tokens computed before this step. Only policies that support several
+        groups implement it (the scheduler refuses the others at start-up)."""
+        raise NotImplementedError(f"{type(self).__name__} supports one KV-cache group")
+
     def pick_stores(self) -> StorePicks:
         """This step's stores (called once per step, after every `on_scheduled`; advances the step clock)."""
         return StorePicks()
@@ -148,6 +156,32 @@ class EagerStorePolicy(StorePolicy):
             picks.gpu_ids.append(gpu_id)
             picks.keys.append(key)
         state.num_store_checked_blocks = max(start, end)
+
+    def on_scheduled_groups(self, state: RequestState, num_computed_before: int, num_computed_tokens: int,
+                            groups: Sequence[KVGroup]) -> None:
+        """Per group, pick the full blocks completed since the store cursor that vLLM still holds: not the
+        null block, and in a sliding-window group not before the window of the tokens computed before this
+        step (vLLM may have dropped and reused those; it drops only below that point). Admission (`is_dead`)
+        judges a block's content by group 0's key. Advances the store cursor. O(groups * new blocks)."""
+        start = state.num_store_checked_blocks
+        bs, hashes, view = self.view.block_size, state.request.block_hashes, self.view
+        end = min(num_computed_tokens // bs, len(hashes))
+        if end <= start:
+            return
+        picked, picks, cached, reserved = self._picked, self._picks, self._cached, self._reserved
+        is_dead = view.is_dead if view.may_have_dead() else None
+        for group, gpu_block_ids in zip(groups, state.group_block_ids, strict=True):
+            suffix = group_suffix(group.group_id)
+            for i in range(max(start, group.first_needed_block(num_computed_before, bs)),
+                           min(end, len(gpu_block_ids))):
+                key, gpu_id = hashes[i] + suffix, gpu_block_ids[i]
+                if gpu_id == 0 or key in picked or key in cached or key in reserved or (
+                        is_dead and is_dead(hashes[i] + self._suffix)):
+                    continue
+                picked.add(key)
+                picks.gpu_ids.append(gpu_id)
+                picks.keys.append(key)
+        state.num_store_checked_blocks = end
 
     def pick_stores(self) -> StorePicks:
         picks, self._picks, self._picked = self._picks, StorePicks(), set()

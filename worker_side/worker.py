@@ -51,6 +51,8 @@ class JobRecord:
     num_blocks: int
     submitted_at: float
     load_reqs: tuple[str, ...] = ()  # the requests a load job resumes; empty for stores
+    load_req_num_blocks: tuple[int, ...] = ()  # blocks of each of load_reqs, in order (may be empty)
+    load_dst: np.ndarray | None = None  # a load's GPU block ids (to name the requests of failed blocks)
     remote_write: tuple[np.ndarray, list[bytes]] | None = None  # a store's CPU blocks and keys (remote tier)
 
 
@@ -152,6 +154,9 @@ class OffloadWorker:
             return
         cpu, gpu = self._checked_ids("load", meta.load_event, meta.load_cpu_blocks, meta.load_gpu_blocks)
         job_id = self._submit("load", meta.load_event, cpu, gpu, tuple(meta.load_event_reqs))
+        if job_id in self._jobs:
+            rec = self._jobs[job_id]
+            rec.load_req_num_blocks, rec.load_dst = tuple(meta.load_req_num_blocks), gpu
         self._loads_this_step.append(job_id)
 
     def start_fetch(self, meta: TransferMetadata) -> None:
@@ -240,6 +245,8 @@ class OffloadWorker:
             if rec.kind == "load":
                 report.finished_load_reqs.extend(rec.load_reqs)
                 report.failed_load_gpu_blocks.extend(r.failed_dst_ids)
+                if len(r.failed_dst_ids):
+                    report.failed_load_reqs.extend(_failed_requests(rec, r.failed_dst_ids))
                 report.bytes_loaded += (rec.num_blocks - len(r.failed_dst_ids)) * bytes_per_block
                 report.load_seconds += seconds
             elif r.ok:
@@ -273,3 +280,18 @@ class OffloadWorker:
         self.backend.shutdown()
         if self.remote is not None:
             self.remote.close()
+
+
+def _failed_requests(rec: JobRecord, failed_dst_ids: Sequence[int]) -> list[str]:
+    """The requests of a load job that own a failed GPU block: by `load_req_num_blocks` (each request's
+    blocks follow the previous one's), or all of them when the metadata did not say. O(job blocks)."""
+    counts = rec.load_req_num_blocks
+    if rec.load_dst is None or len(counts) != len(rec.load_reqs) or sum(counts) != len(rec.load_dst):
+        return list(rec.load_reqs)
+    failed = set(int(i) for i in failed_dst_ids)
+    out, start = [], 0
+    for req_id, count in zip(rec.load_reqs, counts, strict=True):
+        if any(int(i) in failed for i in rec.load_dst[start:start + count]):
+            out.append(req_id)
+        start += count
+    return out

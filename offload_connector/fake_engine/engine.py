@@ -79,7 +79,7 @@ class FakeEngine:
         computes, backends = _per_rank(compute, tp_size, "compute"), _per_rank(backend, tp_size, "backend")
         self.models = [FakeModel(eng, compute=c, rank=r) for r, c in enumerate(computes)]
         self.model = self.models[0]
-        self.gpu = GpuCache(eng.num_gpu_blocks, eng.block_size)
+        self.gpu = GpuCache(eng.num_gpu_blocks, eng.block_size, self.model.groups)  # 2 groups: hybrid mode
         self.wait_for_loads = wait_for_loads
         # sync_stores: each step's stores complete before the next step is scheduled (deterministic
         # replays; on a GPU a step's stores finish well within the next step). Default: reported when done.
@@ -99,11 +99,14 @@ class FakeEngine:
                 config, eng.block_size, self.worker.num_cpu_blocks, self.gpu.view, tp_size,
                 max_blocks_per_step=None, num_gpu_blocks=eng.num_gpu_blocks,
                 emit_kv_events=False,  # nobody here takes them: kept, they grew with every request
-                remote_identity=remote_identity(config))
+                remote_identity=remote_identity(config), groups=self.model.groups)
         self._load_reports: dict[str, int] = {}  # request id -> ranks that finished its load so far
         self.gpu.pool.on_evict = self._on_gpu_evict
         self.scheduler = EngineScheduler(eng, self.gpu, self.connector, self.stats, self._release,
                                          keep_samples=keep_samples)
+        if self.gpu.hybrid:
+            self.stats.group_gpu_hit_blocks = [0] * len(self.gpu.groups)
+            self.stats.group_loaded_blocks = [0] * len(self.gpu.groups)
         self.keep_outputs = keep_outputs
         self.outputs: dict[str, list[int]] = {}  # finished request id -> generated tokens (if keep_outputs)
         self._idle_steps = 0
@@ -242,7 +245,7 @@ class FakeEngine:
         for model in self.models:
             model.compute.synchronize()  # the last forwards' checks (raises their IntegrityError)
         self._update_model_stats()
-        live_gpu = sum(len(r.gpu_block_ids) for r in self.scheduler.requests.values())
+        live_gpu = sum(self.gpu.num_held(r) for r in self.scheduler.requests.values())
         self.gpu.pool.check_integrity()
         for model in self.models:
             model.check_integrity(self.scheduler.requests.values())

@@ -8,21 +8,29 @@ hands the connector a `BlockPoolGpuView` of it. Invariants:
   before any later reader's, since the model runs requests in scheduling order; blocks being loaded from
   the CPU are cached only when the load completes (vLLM's delayed caching);
 - `free` releases in reverse token order, so a request's tail blocks are evicted first (vLLM's order).
+Hybrid mode (`groups` with a sliding-window group, vLLM's hybrid KV cache manager): one pool for all
+groups; a request holds one block list per group (`EngineRequest.group_block_ids`, [0] being
+`gpu_block_ids`), with the null block 0 where a sliding-window group's block lies outside the window of
+the tokens computed (never allocated, or freed as the request advances: vLLM's `remove_skipped_blocks`);
+prefix-cache keys carry the group id; the hit is vLLM's hybrid rule (`scheduler_side.groups`).
 """
 
 from __future__ import annotations
 
 from offload_connector.fake_engine.request import EngineRequest
-from offload_connector.hashing import with_group_id
+from offload_connector.hashing import group_suffix, with_group_id
 from scheduler_side import BlockPool, BlockPoolGpuView
 from scheduler_side.free_queue import Block
+from scheduler_side.groups import FULL_ATTENTION, NULL_GPU_BLOCK, KVGroup, hybrid_hit_end
 
 
 class GpuCache:
-    def __init__(self, num_gpu_blocks: int, block_size: int) -> None:
+    def __init__(self, num_gpu_blocks: int, block_size: int, groups: tuple[KVGroup, ...] = FULL_ATTENTION) -> None:
         self.pool = BlockPool(num_gpu_blocks)
         self.view = BlockPoolGpuView(self.pool)
         self.block_size = block_size
+        self.groups = groups
+        self.hybrid = len(groups) > 1
 
     @property
     def num_usable_blocks(self) -> int:
@@ -77,3 +85,89 @@ class GpuCache:
         self.pool.free(blocks[i] for i in reversed(req.gpu_block_ids))
         req.gpu_block_ids = []
         req.num_cached_blocks = 0
+
+    # ------------------------------------------------------------------ hybrid mode (several groups)
+    def find_hit_groups(self, req: EngineRequest) -> tuple[int, list[list[Block | None]]]:
+        """vLLM's hybrid hit: the longest prefix (blocks) every group can serve, and per group the cached
+        blocks it takes (None: outside a window, the null block). Leaves >= 1 token to compute."""
+        bs, hashes, lookup = self.block_size, req.block_hashes, self.pool.lookup
+        end = min(len(hashes), (req.num_tokens - 1) // bs)
+        for group in self.groups:
+            if group.window is None:
+                suffix = group_suffix(group.group_id)
+                end = next((i for i in range(end) if lookup(hashes[i] + suffix) is None), end)
+        found = [[lookup(hashes[i] + group_suffix(g.group_id)) is not None for i in range(end)] for g in self.groups]
+        hit = hybrid_hit_end(self.groups, found, 0, end, bs)
+        blocks: list[list[Block | None]] = []
+        for group in self.groups:
+            suffix, first = group_suffix(group.group_id), group.first_needed_block(hit * bs, bs)
+            blocks.append([None] * first + [lookup(hashes[i] + suffix) for i in range(first, hit)])
+        return hit, blocks
+
+    def allocate_groups(self, req: EngineRequest, num_tokens: int, num_computed: int,
+                        hits: list[list[Block | None]] | None = None) -> list[list[int]] | None:
+        """`allocate` for several groups: first drop the window blocks the `num_computed` tokens left
+        behind (even when the allocation then fails, as vLLM does), then give every group blocks up to
+        `num_tokens`, the hits first; a window group's positions before its window get the null block.
+        Returns each group's new block ids (hits excluded), or None with nothing allocated."""
+        bs = self.block_size
+        self._drop_outside_windows(req, num_computed)
+        total = -(-num_tokens // bs)
+        plan = []  # per group: (hit ids, nulls to append, blocks to allocate)
+        num_free_hits = 0
+        for g, group in enumerate(self.groups):
+            held = len(req.group_block_ids[g])
+            hit = hits[g] if hits else []
+            num_free_hits += sum(1 for b in hit if b is not None and b.ref_cnt == 0)
+            base = held + len(hit)
+            nulls = max(0, min(total, group.first_needed_block(num_computed, bs)) - base)
+            plan.append((hit, nulls, max(0, total - base - nulls)))
+        if sum(p[2] for p in plan) > self.pool.num_free_blocks - num_free_hits:
+            return None
+        new_ids: list[list[int]] = []
+        for ids, (hit, nulls, need) in zip(req.group_block_ids, plan, strict=True):
+            taken = [b for b in hit if b is not None]
+            self.pool.touch(taken)
+            ids.extend(NULL_GPU_BLOCK if b is None else b.block_id for b in hit)
+            ids.extend([NULL_GPU_BLOCK] * nulls)
+            new = [b.block_id for b in self.pool.allocate(need)] if need else []
+            ids.extend(new)
+            new_ids.append(new)
+        if hits:
+            req.num_cached_blocks = len(hits[0])
+        return new_ids
+
+    def _drop_outside_windows(self, req: EngineRequest, num_computed: int) -> None:
+        for group, ids in zip(self.groups, req.group_block_ids, strict=True):
+            first = min(group.first_needed_block(num_computed, self.block_size), len(ids))
+            dropped = [i for i in range(first) if ids[i] != NULL_GPU_BLOCK]
+            if dropped:
+                self.pool.free(self.pool.blocks[ids[i]] for i in reversed(dropped))
+                for i in dropped:
+                    ids[i] = NULL_GPU_BLOCK
+
+    def cache_blocks_groups(self, req: EngineRequest, num_computed_tokens: int) -> None:
+        """`cache_blocks` for several groups (null blocks skipped)."""
+        end = min(num_computed_tokens // self.block_size, len(req.block_hashes), len(req.gpu_block_ids))
+        blocks = self.pool.blocks
+        for group, ids in zip(self.groups, req.group_block_ids, strict=True):
+            suffix = group_suffix(group.group_id)
+            for i in range(req.num_cached_blocks, end):
+                if ids[i] != NULL_GPU_BLOCK and blocks[ids[i]].block_hash is None:
+                    self.pool.cache(blocks[ids[i]], req.block_hashes[i] + suffix)
+        req.num_cached_blocks = max(req.num_cached_blocks, end)
+
+    def free_groups(self, req: EngineRequest) -> None:
+        """`free` for several groups: every group's blocks (not the null block), tail blocks first."""
+        blocks = self.pool.blocks
+        for ids in req.group_block_ids:
+            self.pool.free(blocks[i] for i in reversed(ids) if i != NULL_GPU_BLOCK)
+        req.group_block_ids = [[] for _ in self.groups]
+        req.gpu_block_ids = req.group_block_ids[0]
+        req.num_cached_blocks = 0
+
+    def num_held(self, req: EngineRequest) -> int:
+        """GPU blocks the request holds, every group (null blocks excluded)."""
+        if not self.hybrid:
+            return len(req.gpu_block_ids)
+        return sum(1 for ids in req.group_block_ids for i in ids if i != NULL_GPU_BLOCK)

@@ -17,6 +17,10 @@ known tokens are all computed. The compute queue (`ImmediateCompute` by default)
 `worker_side.cuda_sim.SimCompute` runs it on a simulated GPU's compute stream when the simulator decides,
 so a transfer not fenced against the forward reads or writes KV at the wrong moment and the check fails.
 The work captures everything it needs at launch (slots, copies of the expected values), never a request.
+Hybrid mode (`engine.sliding_window`): even layers are full attention (KV-cache group 0), odd layers attend
+only to the last `sliding_window` tokens (group 1); each group's layers write and read through that group's
+block table (`EngineRequest.group_block_ids`), and group 1 reads only the blocks inside its window (vLLM's
+rule, `scheduler_side.groups.KVGroup.first_needed_block`): one piece of work per group.
 Expected K/V are computed once per token, for all of a step's new tokens at once, and kept per live
 request (`expected_kv.ExpectedKV`, released by `release` when the request is done). Per layer, a piece of
 work gathers and compares bitwise the whole blocks its requests read (a block a row, against the expected
@@ -38,6 +42,7 @@ from offload_connector.config import ConfigError, EngineConfig
 from offload_connector.fake_engine import kv_pattern
 from offload_connector.fake_engine.expected_kv import ExpectedKV, TokenRuns
 from offload_connector.fake_engine.request import EngineRequest
+from scheduler_side.groups import KVGroup
 from worker_side.host_pool import mem_available_bytes
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -112,9 +117,10 @@ class _Work:
     """What one piece of work needs, captured at launch. Reads are whole blocks (compared as rows) then each
     reader's tail tokens; expected values are copies, laid out (num_layers * 2, ...) like `ExpectedKV`."""
 
+    layers: list[int]  # the layers this work writes and checks (one KV-cache group's)
     readers: list[_Reader]
     read_blocks: torch.Tensor  # GPU block ids of the readers' whole blocks, reader by reader
-    want_blocks: torch.Tensor  # (layers * 2, len(read_blocks), block_size * heads * dim)
+    want_blocks: torch.Tensor  # (len(layers) * 2, len(read_blocks), block_size * heads * dim)
     tail_slots: torch.Tensor  # GPU slots of the readers' tail tokens, reader by reader
     want_tail: torch.Tensor  # (layers * 2, len(tail_slots), heads * dim)
     write_slots: torch.Tensor  # GPU slots of the tokens computed
@@ -140,6 +146,12 @@ class FakeModel:
         self._blocks = [t.view(2, self.num_gpu_blocks, -1) for t in self.kv_caches.values()]  # a block a row
         self._flat = [t.view(2, -1, token_values) for t in self.kv_caches.values()]  # a token a row
         self.expected = ExpectedKV(self.shape, self.block_size, self.dtype, rank)
+        window = engine.sliding_window
+        self.groups = (KVGroup(0),) if window is None else (KVGroup(0), KVGroup(1, window=window))
+        layers = range(engine.num_layers)
+        self.group_layers = [list(layers)] if window is None else [list(layers[0::2]), list(layers[1::2])]
+        self._group_rows = [None if window is None else _index([r for layer in g for r in (2 * layer, 2 * layer + 1)])
+                            for g in self.group_layers]  # rows of the expected values, per group
         # Work run at once gains nothing from being cut: one piece per step. A queue that runs it later (a
         # simulated GPU stream) gets one piece per request, like a real forward's many kernels, so the
         # simulator can interleave copies between them.
@@ -169,14 +181,16 @@ class FakeModel:
         if not chunks:
             return sampled
         self.expected.sync(req for req, _ in chunks)
-        groups = [chunks] if self.one_launch_per_step else [[chunk] for chunk in chunks]
-        for group in groups:
-            self._launch(group, sampled)
+        pieces = [chunks] if self.one_launch_per_step else [[chunk] for chunk in chunks]
+        for piece in pieces:
+            for g in range(len(self.groups)):
+                self._launch(piece, sampled, g)
         return sampled
 
-    def _launch(self, chunks: list[tuple[EngineRequest, int]], sampled: dict[str, int]) -> None:
-        """One piece of work for these requests: slots and expected values captured now, run by the queue."""
-        bs = self.block_size
+    def _launch(self, chunks: list[tuple[EngineRequest, int]], sampled: dict[str, int], g: int = 0) -> None:
+        """One piece of work for these requests and KV-cache group `g`: slots and expected values captured
+        now, run by the queue."""
+        bs, group, hybrid = self.block_size, self.groups[g], len(self.groups) > 1
         read_blocks: list[int] = []
         read_pages: list[int] = []
         tails, writes = TokenRuns(bs, 2), TokenRuns(bs, 2)
@@ -185,39 +199,45 @@ class FakeModel:
             st = self.expected.state(req)
             start = req.num_computed_tokens
             end = start + num_new
-            gpu_block_ids = req.gpu_block_ids
+            gpu_block_ids = req.group_block_ids[g] if hybrid else req.gpu_block_ids
             if -(-end // bs) > len(gpu_block_ids):
                 raise RuntimeError(f"fake model: request {req.request_id} computes up to token {end} but holds "
                                    f"{len(gpu_block_ids)} blocks of {bs} tokens (engine bug)")
             if start:
                 num_full = start // bs
-                read_blocks.extend(gpu_block_ids[:num_full])
-                read_pages.extend(st.pages[:num_full])
+                first = min(group.first_needed_block(start, bs), num_full)  # 0 but in a window group
+                read_blocks.extend(gpu_block_ids[first:num_full])
+                read_pages.extend(st.pages[first:num_full])
                 tails.add(num_full * bs, start, gpu_block_ids, st.pages)
-                readers.append(_Reader(req.request_id, start, gpu_block_ids[:-(-start // bs)]))
+                readers.append(_Reader(req.request_id, start - first * bs, gpu_block_ids[first:-(-start // bs)]))
             writes.add(start, end, gpu_block_ids, st.pages)
-            if end == req.num_tokens:
+            if end == req.num_tokens and g == 0:
                 sampled[req.request_id] = kv_pattern.next_token(st.last_seed, end - 1)
         tail_slots, tail_pages = tails.slots()
         write_slots, write_pages = writes.slots()
-        gather = self.expected
-        work = _Work(readers, _index(read_blocks), gather.gather_pages(_index(read_pages)),
-                     tail_slots, gather.gather_tokens(tail_pages),
-                     write_slots, gather.gather_tokens(write_pages))
+        gather, rows = self.expected, self._group_rows[g]
+
+        def want(values: torch.Tensor) -> torch.Tensor:
+            return values if rows is None else values.index_select(0, rows)
+
+        work = _Work(self.group_layers[g], readers, _index(read_blocks), want(gather.gather_pages(_index(read_pages))),
+                     tail_slots, want(gather.gather_tokens(tail_pages)),
+                     write_slots, want(gather.gather_tokens(write_pages)))
         self.compute.launch(partial(self._run, work))
 
     def _run(self, work: _Work) -> None:
         """A piece of work on the compute queue: write what its requests compute, then check their reads."""
-        for layer, flat in enumerate(self._flat):
-            flat.index_copy_(1, work.write_slots, work.new_kv[2 * layer:2 * layer + 2])
+        for k, layer in enumerate(work.layers):
+            self._flat[layer].index_copy_(1, work.write_slots, work.new_kv[2 * k:2 * k + 2])
         if not work.readers:
             return
         self.num_verified_tokens += sum(r.num_tokens for r in work.readers)
-        for layer, (blocks, flat) in enumerate(zip(self._blocks, self._flat, strict=True)):
+        for k, layer in enumerate(work.layers):
+            blocks, flat = self._blocks[layer], self._flat[layer]
             got_blocks = blocks.index_select(1, work.read_blocks)
             got_tail = flat.index_select(1, work.tail_slots)
-            want_blocks = work.want_blocks[2 * layer:2 * layer + 2]
-            want_tail = work.want_tail[2 * layer:2 * layer + 2]
+            want_blocks = work.want_blocks[2 * k:2 * k + 2]
+            want_tail = work.want_tail[2 * k:2 * k + 2]
             # bitwise: exact, and far faster than a float compare
             if (torch.equal(_bits(got_blocks), _bits(want_blocks))
                     and torch.equal(_bits(got_tail), _bits(want_tail))):

@@ -50,9 +50,12 @@ class EngineRequest:
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     num_computed_tokens: int = field(default=0, init=False)
     gpu_block_ids: list[int] = field(default_factory=list, init=False)
+    # Hybrid mode (gpu_cache.py): one block list per KV-cache group, [0] being `gpu_block_ids` itself.
+    group_block_ids: list[list[int]] = field(default_factory=list, init=False)
     num_cached_blocks: int = field(default=0, init=False)
     load_gpu_block_ids: list[int] = field(default_factory=list, init=False)  # CPU load in flight
     load_done: bool = field(default=False, init=False)  # the worker reported the load finished
+    load_num_tokens: int = field(default=0, init=False)  # tokens the load in flight brings back
     load_issue_step: int = field(default=0, init=False)
     failed_load_gpu_blocks: set[int] = field(default_factory=set, init=False)
     is_first_admission: bool = field(default=True, init=False)  # hit counters count the first one only

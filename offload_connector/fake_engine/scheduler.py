@@ -18,7 +18,10 @@ Blocks enter the GPU prefix cache when scheduled, as in vLLM's `allocate_slots`:
 the same step may hit blocks an earlier one computes in this forward (the model runs requests in scheduling
 order, so the writes come first). `update_from_output` applies the forward (advance, append sampled tokens,
 finish) and
-`update_from_connector` the worker's report. Finishing or aborting calls `request_finished` *before* the
+`update_from_connector` the worker's report. Hybrid mode (`gpu.hybrid`: a sliding-window group beside the
+full-attention one) uses the GPU cache's per-group calls and hands the connector one block list per group;
+a hybrid load with a failed block is redone from scratch (the request's blocks freed, looked up again), as
+vLLM does for models with several groups. Finishing or aborting calls `request_finished` *before* the
 engine frees the blocks. Per-step cost is O(scheduled requests + their new blocks + parked loads).
 """
 
@@ -71,7 +74,10 @@ class EngineScheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in the engine")
         self.stats.requests += 1
-        if -(-req.max_num_tokens // self.block_size) > self.gpu.num_usable_blocks:
+        if self.gpu.hybrid:
+            req.group_block_ids = [req.gpu_block_ids] + [[] for _ in self.gpu.groups[1:]]
+        # Hybrid: room for a whole copy in each group, a bound that never stalls (a window group needs less).
+        if -(-req.max_num_tokens // self.block_size) * len(self.gpu.groups) > self.gpu.num_usable_blocks:
             req.status = RequestStatus.ABORTED
             self.stats.rejected_requests += 1
             return False
@@ -94,7 +100,7 @@ class EngineScheduler:
         if self.connector is not None:
             self.connector.request_finished(req)  # before the blocks are freed, as in vLLM
         self._clear_load(req)
-        self.gpu.free(req)
+        self._free(req)
         req.status = status
         del self.requests[req.request_id]
         if status is RequestStatus.FINISHED:
@@ -110,8 +116,30 @@ class EngineScheduler:
         req.load_done = False
         req.failed_load_gpu_blocks = set()
 
+    def _free(self, req: EngineRequest) -> None:
+        if self.gpu.hybrid:
+            self.gpu.free_groups(req)
+        else:
+            self.gpu.free(req)
+
+    def _allocate(self, req: EngineRequest, num_tokens: int, num_computed: int, hit_blocks: list) -> list | None:
+        """New block ids (per group in hybrid mode), or None: `GpuCache.allocate` / `allocate_groups`."""
+        if self.gpu.hybrid:
+            return self.gpu.allocate_groups(req, num_tokens, num_computed, hit_blocks or None)
+        return self.gpu.allocate(req, num_tokens, hit_blocks)
+
+    def _cache(self, req: EngineRequest, num_computed_tokens: int) -> None:
+        if self.gpu.hybrid:
+            self.gpu.cache_blocks_groups(req, num_computed_tokens)
+        else:
+            self.gpu.cache_blocks(req, num_computed_tokens)
+
+    def _block_lists(self, req: EngineRequest) -> list:
+        """The request's blocks as the connector takes them: one list, or one per group (hybrid)."""
+        return [list(ids) for ids in req.group_block_ids] if self.gpu.hybrid else list(req.gpu_block_ids)
+
     def _preempt(self, req: EngineRequest, requeue: bool = True) -> None:
-        self.gpu.free(req)
+        self._free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         if self.connector is not None:
@@ -138,17 +166,17 @@ class EngineScheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            new_ids = self.gpu.allocate(req, req.num_computed_tokens + num_new)
+            new_ids = self._allocate(req, req.num_computed_tokens + num_new, req.num_computed_tokens, [])
             while new_ids is None:
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
                     break
-                new_ids = self.gpu.allocate(req, req.num_computed_tokens + num_new)
+                new_ids = self._allocate(req, req.num_computed_tokens + num_new, req.num_computed_tokens, [])
             if new_ids is None:
                 break
-            self.gpu.cache_blocks(req, req.num_computed_tokens + num_new)
+            self._cache(req, req.num_computed_tokens + num_new)
             out.chunks.append((req, num_new))
             out.step_requests.append(StepRequest(req.request_id, new_ids, req.num_computed_tokens + num_new))
             budget -= num_new
@@ -177,9 +205,13 @@ class EngineScheduler:
             num_external = 0
             load_async = False
             num_computed = req.num_computed_tokens
-            if fresh:
+            if fresh and self.gpu.hybrid:
+                num_hit, hit_blocks = self.gpu.find_hit_groups(req)
+                num_computed = num_hit * self.block_size
+            elif fresh:
                 hit_blocks = self.gpu.find_hit(req)
                 num_computed = len(hit_blocks) * self.block_size
+            if fresh:
                 if self.connector is not None:
                     matched, load_async = self.connector.get_num_new_matched_tokens(req, num_computed)
                     if matched is None:
@@ -189,7 +221,8 @@ class EngineScheduler:
                 if num_external and not load_async:
                     raise RuntimeError("the fake engine only supports async loads from the connector")
             num_new = 0 if load_async else min(req.num_tokens - num_computed - num_external, budget)
-            if self.gpu.allocate(req, num_computed + num_external + num_new, hit_blocks) is None:
+            if self._allocate(req, num_computed + num_external + num_new, num_computed + num_external,
+                              hit_blocks) is None:
                 # No preemption for waiting requests (vLLM); the pending hit is dropped at the next lookup.
                 # Requests behind it that already hold blocks (loaded) may still run, or they could
                 # deadlock the queue: they hold what the head waits for.
@@ -200,19 +233,22 @@ class EngineScheduler:
                 break
             self.waiting.popleft()
             if self.connector is not None:
-                self.connector.update_state_after_alloc(req, list(req.gpu_block_ids), num_external)
+                self.connector.update_state_after_alloc(req, self._block_lists(req), num_external)
             if req.is_first_admission and fresh:
                 req.num_gpu_hit_tokens = num_computed
+                if self.gpu.hybrid:
+                    for g, blocks in enumerate(hit_blocks):
+                        self.stats.group_gpu_hit_blocks[g] += sum(1 for b in blocks if b is not None)
             req.num_computed_tokens = num_computed
             if load_async:
                 self._park(req, num_external)
                 skipped.append(req)
                 continue
-            self.gpu.cache_blocks(req, num_computed + num_new)
+            self._cache(req, num_computed + num_new)
             self._start_running(req)
             out.chunks.append((req, num_new))
             out.step_requests.append(
-                StepRequest(req.request_id, list(req.gpu_block_ids), num_computed + num_new, True))
+                StepRequest(req.request_id, self._block_lists(req), num_computed + num_new, True))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         out.num_parked = sum(1 for r in skipped if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS)
@@ -220,7 +256,15 @@ class EngineScheduler:
     def _park(self, req: EngineRequest, num_external: int) -> None:
         """The request waits for its CPU load (blocks after its GPU hit) before it can run."""
         first = req.num_computed_tokens // self.block_size
-        req.load_gpu_block_ids = req.gpu_block_ids[first:first + num_external // self.block_size]
+        last = first + num_external // self.block_size
+        req.load_num_tokens = num_external
+        if self.gpu.hybrid:  # every group's blocks vLLM allocated in the range (not the null block)
+            per_group = [[i for i in ids[first:last] if i] for ids in req.group_block_ids]
+            for g, ids in enumerate(per_group):
+                self.stats.group_loaded_blocks[g] += len(ids)
+            req.load_gpu_block_ids = [i for ids in per_group for i in ids]
+        else:
+            req.load_gpu_block_ids = req.gpu_block_ids[first:last]
         for gpu_block_id in req.load_gpu_block_ids:
             self._loading[gpu_block_id] = req
         req.load_done = False
@@ -230,17 +274,24 @@ class EngineScheduler:
 
     def _finish_load(self, req: EngineRequest) -> None:
         """The load finished: count loaded tokens up to the first failed block, cache them, resume."""
+        if self.gpu.hybrid and req.failed_load_gpu_blocks:  # vLLM with several groups: redo the request
+            self.stats.failed_load_blocks += len(req.failed_load_gpu_blocks)
+            self._clear_load(req)
+            self._free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            return
         loaded = len(req.load_gpu_block_ids)
         for k, gpu_block_id in enumerate(req.load_gpu_block_ids):
             if gpu_block_id in req.failed_load_gpu_blocks:
                 loaded = k
                 self.stats.failed_load_blocks += len(req.load_gpu_block_ids) - k
                 break
-        num_loaded = loaded * self.block_size
+        num_loaded = req.load_num_tokens if self.gpu.hybrid else loaded * self.block_size
         req.num_computed_tokens += num_loaded
         if req.is_first_admission:
             req.num_cpu_hit_tokens = num_loaded
-        self.gpu.cache_blocks(req, req.num_computed_tokens)
+        self._cache(req, req.num_computed_tokens)
         self._clear_load(req)
         req.status = RequestStatus.WAITING
 

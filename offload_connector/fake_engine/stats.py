@@ -50,6 +50,10 @@ class EngineStats:
     leaked_gpu_blocks: int = 0
     leaked_cpu_blocks: int = 0
     samples: list[HitSample] = field(default_factory=list)
+    # Hybrid mode, per KV-cache group (0: full attention, 1: sliding window): blocks taken from the GPU
+    # prefix cache at first admissions, and blocks loaded from the CPU tier. Empty with one group.
+    group_gpu_hit_blocks: list[int] = field(default_factory=list)
+    group_loaded_blocks: list[int] = field(default_factory=list)
 
     @property
     def computed_prompt_tokens(self) -> int:
@@ -61,6 +65,8 @@ class EngineStats:
     def to_dict(self) -> dict[str, float | int]:
         out = asdict(self)
         del out["samples"]
+        if not self.group_loaded_blocks:
+            del out["group_gpu_hit_blocks"], out["group_loaded_blocks"]
         out["computed_prompt_tokens"] = self.computed_prompt_tokens
         out["gpu_hit_ratio"] = round(self.ratio(self.gpu_hit_tokens), 6)
         out["cpu_hit_ratio"] = round(self.ratio(self.cpu_hit_tokens), 6)
