@@ -214,11 +214,14 @@ def check_groups_config(config: OffloadConfig, shape: KVCacheShape) -> None:
     if config.store_policy != "eager":
         raise UnsupportedSetupError(
             f"OffloadConnector: store_policy={config.store_policy!r} supports one KV-cache group; this hybrid "
-            f"model has {len(shape.groups)}; allowed with several groups: store_policy: eager")
+            f"model has {len(shape.groups)}; allowed with several groups: store_policy: eager, or vLLM's hybrid KV "
+            "cache manager off (disable_hybrid_kv_cache_manager=True; our vLLM plugin turns it off for you "
+            "unless it was set)")
     if config.remote is not None:
         raise UnsupportedSetupError(
             f"OffloadConnector: the remote tier supports one KV-cache group; this hybrid model has "
-            f"{len(shape.groups)}; allowed with several groups: no remote section")
+            f"{len(shape.groups)}; allowed with several groups: no remote section, or vLLM's hybrid KV cache manager "
+            "off (disable_hybrid_kv_cache_manager=True; our vLLM plugin turns it off for you unless it was set)")
 
 
 def _group_window(spec: Any) -> tuple[int | None, int]:

@@ -56,10 +56,12 @@ def check_groups_supported(config: OffloadConfig, groups: tuple[KVGroup, ...]) -
     the key and what is allowed (before anything is allocated)."""
     if config.store_policy != "eager":
         raise ValueError(f"store_policy={config.store_policy!r} supports one KV-cache group; this model has "
-                         f"{len(groups)} (a hybrid model); allowed with several groups: eager")
+                         f"{len(groups)} (a hybrid model); allowed with several groups: eager (or turn vLLM's "
+                         "hybrid KV cache manager off: disable_hybrid_kv_cache_manager=True)")
     if config.remote is not None:
         raise ValueError(f"remote: the remote tier supports one KV-cache group; this model has {len(groups)} "
-                         "(a hybrid model); allowed with several groups: no remote section")
+                         "(a hybrid model); allowed with several groups: no remote section (or turn vLLM's "
+                         "hybrid KV cache manager off: disable_hybrid_kv_cache_manager=True)")
 
 
 def make_store_policy(config: OffloadConfig, view: PolicyView) -> StorePolicy:

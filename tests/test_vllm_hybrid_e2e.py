@@ -8,7 +8,8 @@ config says HMA is on with both groups and its log has no "Turning off hybrid kv
 outputs equal those of the same model without the connector (HMA on and off); a prefix evicted from the
 18-block GPU cache comes back from the CPU tier (`num_cached_tokens` > 0 on the re-run), its load holding
 the full-attention blocks and only the window's blocks of the sliding-window group; and a corrupted host
-pool then changes the output (the equality depends on the loaded bytes).
+pool then changes the output (the equality depends on the loaded bytes). With `store_policy: lazy`
+(one group only) our plugin turns HMA off and the model runs with one group, outputs unchanged.
 """
 
 from __future__ import annotations
@@ -70,12 +71,15 @@ class Warnings:
         logging.Logger.handle = self._handle  # type: ignore[method-assign]
 
 
-def make_llm(kv_transfer_config: KVTransferConfig | None, hma: bool | None) -> tuple[LLM, list[str]]:
-    """`hma` None lets vLLM decide (on for a connector declaring `SupportsHMA`). Returns the engine and the
-    warnings vLLM logged while building it."""
+def make_llm(kv_transfer_config: KVTransferConfig | None, hma: bool | None,
+             gpu_blocks: int | None = None) -> tuple[LLM, list[str]]:
+    """`hma` None lets vLLM decide (on for a connector declaring `SupportsHMA`, unless our plugin turns it
+    off for a config that supports one group). Returns the engine and the warnings vLLM logged while
+    building it. `gpu_blocks`: 18 with HMA on, 10 off, as small as vLLM accepts for 256-token requests."""
+    gpu_blocks = gpu_blocks or (18 if hma is not False else 10)
     with Warnings() as warnings:
         llm = LLM(model=MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, block_size=32,
-                  enforce_eager=True, max_model_len=256, num_gpu_blocks_override=18 if hma is not False else 10,
+                  enforce_eager=True, max_model_len=256, num_gpu_blocks_override=gpu_blocks,
                   max_num_seqs=4, max_num_batched_tokens=256, seed=0, dtype="float32",
                   disable_hybrid_kv_cache_manager=None if hma is None else not hma,
                   kv_transfer_config=kv_transfer_config)
@@ -94,7 +98,7 @@ def run(llm_and_warnings: tuple[LLM, list[str]]) -> dict:
         def recording_update(request, gpu_block_ids, num_external_tokens):
             update(request, gpu_block_ids, num_external_tokens)
             job = offload._requests[request.request_id].load
-            if job is not None:
+            if job is not None and offload._hybrid:  # one list per group
                 window, full = (set(ids) for ids in gpu_block_ids)
                 loads.append((len(full & set(job.gpu_block_ids)), len(window & set(job.gpu_block_ids))))
 
@@ -136,8 +140,11 @@ def runs() -> dict:
     kv_transfer = KVTransferConfig(
         kv_connector="OffloadConnector", kv_connector_module_path="offload_connector.vllm_connector",
         kv_role="kv_both", kv_connector_extra_config={"cpu_bytes": "64MiB"})
+    lazy = KVTransferConfig(
+        kv_connector="OffloadConnector", kv_connector_module_path="offload_connector.vllm_connector",
+        kv_role="kv_both", kv_connector_extra_config={"cpu_bytes": "64MiB", "store_policy": "lazy"})
     return {"connector": run(make_llm(kv_transfer, None)), "plain_on": run(make_llm(None, True)),
-            "plain_off": run(make_llm(None, False))}
+            "plain_off": run(make_llm(None, False)), "lazy": run(make_llm(lazy, None, gpu_blocks=10))}
 
 
 def test_hma_stays_on_with_the_connector(runs: dict) -> None:
@@ -173,3 +180,14 @@ def test_outputs_depend_on_the_loaded_bytes(runs: dict) -> None:
     assert runs["connector"]["corrupted_loaded"] > 0
     assert runs["plain_off"]["corrupted"] == runs["plain_on"]["corrupted"]
     assert runs["connector"]["corrupted"] != runs["plain_on"]["corrupted"]
+
+
+def test_a_one_group_config_runs_with_hma_off(runs: dict) -> None:
+    """`store_policy: lazy` works per single group: our plugin turns vLLM's HMA off (left unset by the user)
+    instead of the engine refusing the hybrid model at start-up; outputs unchanged, prefixes come back."""
+    lazy = runs["lazy"]
+    assert (lazy["hma"], lazy["groups"]) == (False, ["FullAttentionSpec"])
+    assert lazy["outputs"] == runs["plain_on"]["outputs"]
+    assert lazy["cached"][2] == 160 and lazy["stats"]["num_hit_tokens"] >= 160
+    assert lazy["stats"]["num_failed_load_blocks"] == 0
+    assert lazy["corrupted_loaded"] > 0 and lazy["corrupted"] != runs["plain_on"]["corrupted"]
