@@ -34,7 +34,8 @@ from scheduler_side.store_policy import StorePolicy
 
 
 class HybridGroups:
-    """The several-groups half of `OffloadScheduler` (which defines these attributes)."""
+    """The several-groups half of `OffloadScheduler` (which defines these attributes; `_asks_again_for_store`
+    is `Lookups`')."""
 
     config: OffloadConfig
     block_size: int
@@ -59,12 +60,8 @@ class HybridGroups:
             for i in range(first, end):
                 key = hashes[i] + suffix
                 if key not in cached:
-                    if key in reserved:
-                        if state.num_store_waits < self.config.max_store_wait_steps:
-                            state.num_store_waits += 1
-                            state.move_to(Phase.NEW)
-                            return None, False  # its store completes soon: ask again next step
-                        self.stats.num_store_wait_timeouts += 1  # waited enough: the hit ends here
+                    if key in reserved and self._asks_again_for_store(state):
+                        return None, False
                     end = i
                     break
         found = [[hashes[i] + group_suffix(g.group_id) in cached for i in range(first, end)] for g in self.groups]

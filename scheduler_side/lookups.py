@@ -83,11 +83,8 @@ class Lookups:
             block = cached.get(key)
             if block is None:
                 if key in reserved:
-                    if state.num_store_waits < self.config.max_store_wait_steps:
-                        state.num_store_waits += 1
-                        state.move_to(Phase.NEW)
-                        return None, False  # its store completes soon: ask again next step
-                    self.stats.num_store_wait_timeouts += 1  # waited enough: the hit ends here
+                    if self._asks_again_for_store(state):
+                        return None, False
                 else:
                     if self._arc:
                         self._note_misses(hashes, i, last)
@@ -108,6 +105,16 @@ class Lookups:
         state.pending_hit = PendingHit(hits, num_computed_tokens)
         state.move_to(Phase.PENDING_HIT)
         return len(hits) * bs, True
+
+    def _asks_again_for_store(self, state: RequestState) -> bool:
+        """A block of the hit is being stored: its store completes soon, so the request asks again next
+        step (True), at most `max_store_wait_steps` times; after that the hit ends there (False)."""
+        if state.num_store_waits < self.config.max_store_wait_steps:
+            state.num_store_waits += 1
+            state.move_to(Phase.NEW)
+            return True
+        self.stats.num_store_wait_timeouts += 1
+        return False
 
     def _note_misses(self, hashes: Sequence[bytes], first: int, last: int) -> None:
         """ARC: blocks `first`..`last` missed on the CPU; the first miss alone adapts the target."""
