@@ -100,9 +100,15 @@ class LazyStorePolicy(StorePolicy):
 
     def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None:
         """A request still allocating its prompt (chunked prefill) takes the rest in the next steps: the
-        next store event saves that much more of the frontier, and those allocations stay out of the peak."""
+        next store event saves that much more of the frontier, and those allocations stay out of the peak.
+        Lazy stores nothing through the store cursor, so it keeps there the request's block count at the
+        last check: a step that gave the request no new block (most decode steps) costs one comparison."""
         self._num_scheduled += 1
-        rest = -(-state.request.num_tokens // self.view.block_size) - len(state.gpu_block_ids)
+        num_blocks = len(state.gpu_block_ids)
+        if num_blocks == state.num_store_checked_blocks:
+            return
+        state.num_store_checked_blocks = num_blocks
+        rest = -(-state.request.num_tokens // self.view.block_size) - num_blocks
         if rest > 0:
             self._pending += rest
 
