@@ -5,14 +5,24 @@ the CPU yet (and not dead: see admission.py) are stored, so the GPU evicts only 
 GPU free queue (LRU order is kept), and CPU copies of blocks that were just loaded to the GPU, or that an
 admitted request hit on the GPU, are forgotten and go to the head of the CPU free queue (the GPU holds them
 now; the tiers stay mostly exclusive) while the CPU tier is under pressure (it evicted within the last
-`PRESSURE_STEPS` steps); without pressure they are kept. A request whose allocation would evict unsaved
-blocks (a burst beyond the lookahead) is deferred one step, once, while this step's store saves them.
+`PRESSURE_STEPS` steps); without pressure they are kept.
 
-What it holds on the GPU, and the bound: when the engine's free queue is shorter than the lookahead, a
-finishing request's unsaved blocks are held (one reference each) until the next step's store event takes
+What the next step allocates, and who saves it: an admission's allocation is checked at its lookup against
+the blocks it will really evict (its own free GPU hits skipped); if unsaved ones lie there it is deferred
+while this step's store saves its whole span, goes through blind the very next step, and is checked again
+if the engine reached it later (at most `MAX_DEFERRALS` deferrals in a row). Requests still allocating
+their prompt (chunked prefill, or the rest after a CPU load) have that rest saved ahead. The lookahead
+covers the rest: twice the decaying peak of what nothing above covered, plus a mean of the admissions of
+steps that ran at most one request. There a deferral saves exactly what the admission takes, so one long
+prompt must not make many later steps keep hundreds of blocks on both tiers; with more requests running,
+their allocations move the frontier before a deferred request's turn, so admissions count in the peak.
+
+What it holds on the GPU, and the bound: when the engine's free queue is shorter than what the last store
+meant to save (the lookahead, deferred spans, prompt rests), a finishing request's unsaved blocks are held (one reference each) until the next step's store event takes
 them, at most as many as the CPU tier has free blocks; every hold is released at the next `pick_stores`.
 So the engine's GPU cache can keep, for one step, blocks vLLM alone would have evicted.
-Cost per step: O(lookahead); per admission O(blocks allocated). Follows store_policy's call order.
+Cost per step: O(lookahead + deferred spans + prompt rests; the rests at most the engine's step bound
+when known); per admission O(blocks allocated + its GPU hit). Follows store_policy's call order.
 """
 
 from __future__ import annotations
@@ -22,8 +32,9 @@ from scheduler_side.request_state import LoadJob, RequestState
 from scheduler_side.store_policy import PolicyView, StorePicks, StorePolicy
 
 PRESSURE_STEPS = 64  # steps after a CPU eviction during which the tier counts as under pressure
-MAX_DEFERRALS = 1  # steps a request may be deferred so that its allocation evicts only saved blocks
-LOOKAHEAD_FACTOR = 2.0  # lookahead / recent peak per-step allocation (loads included)
+MAX_DEFERRALS = 4  # lookups a request may be deferred so that its allocation evicts only saved blocks
+LOOKAHEAD_FACTOR = 2.0  # lookahead / (recent peak of uncovered allocations + mean largest admission)
+ADMIT_WEIGHT = 0.1  # weight of this step's largest admission in their mean
 
 
 class LazyStorePolicy(StorePolicy):
@@ -34,6 +45,7 @@ class LazyStorePolicy(StorePolicy):
         super().__init__(view)
         self._step_alloc = 0  # blocks the engine handed to requests this step
         self._peak_alloc = 0.0  # decaying peak of per-step allocations
+        self._admit_mean = 0.0  # mean largest admission of steps that ran at most one request (EMA)
         self._scanned: list[tuple[int, bytes | None]] = []  # the frontier this step's selection scanned
         self._frontier_of: dict[int, list[tuple[int, bytes | None]]] = {}  # store event -> its frontier
         self._held: dict[bytes, int] = {}  # key -> GPU block held for the next store event
@@ -43,16 +55,24 @@ class LazyStorePolicy(StorePolicy):
         self._last_eviction_step = -PRESSURE_STEPS - 1  # the last step that saw a CPU eviction
         self._deficit = 0  # blocks that admissions deferred this step need saved by its store event
         self._p_inflight = 0.0  # how often a store event outlasted the next step's allocations (EMA)
+        self._admit_alloc = 0  # blocks this step's largest admission took
+        self._num_scheduled = 0  # requests scheduled this step
+        self._pending = 0  # prompt blocks the requests scheduled this step have still to allocate
+        self._covered = 0  # `_pending` at the last pick: what this step's running allocations may take
+        self._deferred: dict[str, tuple[int, int]] = {}  # request id -> (step clock, deferrals in a row)
+        self._demand = 0  # blocks the last store event meant to save: what the next step may allocate
 
     @property
     def lookahead(self) -> int:
         """Blocks from the eviction frontier to keep saved: `lazy_lookahead_blocks` if set, else the larger
-        of the engine's per-step bound and a multiple of the recent peak allocation (CPU hits allocate
-        outside the token budget, so the bound alone can fall short)."""
+        of the engine's per-step bound and twice the recent peak of uncovered allocations plus the mean
+        admission of lone steps (CPU hits allocate outside the token budget, so the bound alone can fall
+        short)."""
         fixed = self.view.lazy_lookahead_blocks
         if fixed is not None:
             return fixed
-        return max(16, self.view.max_blocks_per_step or 0, int(LOOKAHEAD_FACTOR * self._peak_alloc))
+        return max(16, self.view.max_blocks_per_step or 0,
+                   int(LOOKAHEAD_FACTOR * (self._peak_alloc + self._admit_mean)))
 
     @property
     def _cpu_under_pressure(self) -> bool:
@@ -63,6 +83,9 @@ class LazyStorePolicy(StorePolicy):
     def on_allocated(self, state: RequestState, num_gpu_hit_blocks: int) -> list[bytes]:
         """The request now holds its GPU-hit blocks: under CPU pressure their CPU copies give way. (Not at
         lookup: a request that then fails to allocate leaves those blocks free, maybe at the frontier.)"""
+        self._admit_alloc = max(self._admit_alloc, len(state.gpu_block_ids) - num_gpu_hit_blocks)
+        if state.pending_hit is not None:  # a CPU hit, loaded first: its prompt's rest is allocated after
+            self._pending += max(0, -(-state.request.num_tokens // self.view.block_size) - len(state.gpu_block_ids))
         if not num_gpu_hit_blocks or not self._cpu_under_pressure:
             return []
         hashes, group = state.request.block_hashes, self.view.group_id
@@ -75,43 +98,88 @@ class LazyStorePolicy(StorePolicy):
     def on_blocks_allocated(self, num_blocks: int) -> None:
         self._step_alloc += num_blocks
 
+    def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None:
+        """A request still allocating its prompt (chunked prefill) takes the rest in the next steps: the
+        next store event saves that much more of the frontier, and those allocations stay out of the peak.
+        Lazy stores nothing through the store cursor, so it keeps there the request's block count at the
+        last check: a step that gave the request no new block (most decode steps) costs one comparison."""
+        self._num_scheduled += 1
+        num_blocks = len(state.gpu_block_ids)
+        if num_blocks == state.num_store_checked_blocks:
+            return
+        state.num_store_checked_blocks = num_blocks
+        rest = -(-state.request.num_tokens // self.view.block_size) - num_blocks
+        if rest > 0:
+            self._pending += rest
+
     def may_admit(self, state: RequestState, num_cpu_hit_blocks: int) -> bool:
-        """Defer a request (once) whose allocation would reach past the saved part of the GPU frontier.
+        """Defer a request whose allocation would reach past the saved part of the GPU frontier.
 
         The lookahead covers a typical step; one admission can take more (a long prompt, a large CPU hit,
         which allocates outside the token budget). Its allocation happens right after this lookup, so the
-        free queue is exactly what it will draw from: if unsaved cached blocks lie within the blocks it
-        takes and the CPU tier has room for them, answer "next step" and add its need to this step's
-        stores (the policy's own `_deficit`). Cost O(blocks it allocates).
+        free queue is exactly what it will draw from, less its own free GPU hits (taken out, not evicted):
+        if unsaved cached blocks lie within the blocks it evicts and the CPU tier has room for them, answer
+        "next step" and add its span to this step's stores (the policy's own `_deficit`). The next step it
+        goes through unchecked (that store saved its span); looked up later, other allocations have moved
+        the frontier, so it is checked again, up to `MAX_DEFERRALS` deferrals in a row.
+        Cost O(blocks it allocates + its GPU hit).
         """
-        if state.num_deferrals >= MAX_DEFERRALS:
-            return True
+        deferred_at, in_a_row = self._deferred.pop(state.request_id, (None, 0))
+        if deferred_at == self._steps - 1 or in_a_row >= MAX_DEFERRALS:
+            return True  # the last step's store saved its span (or it waited long enough)
+        if deferred_at == self._steps:  # asked again within the step: this step's store still saves its span
+            self._deferred[state.request_id] = (deferred_at, in_a_row + 1)
+            return False
         view = self.view
         rest = -(-state.request.num_tokens // view.block_size) - state.num_gpu_hit_blocks - num_cpu_hit_blocks
         bound = view.max_blocks_per_step
         need = num_cpu_hit_blocks + (rest if bound is None else min(rest, bound))
         if need <= 0:
             return True
-        is_saved, is_dead, unsaved = view.is_saved, view.is_dead, 0
-        for n, (_, key) in enumerate(view.gpu_eviction_candidates()):
-            if n >= need:
+        is_saved, is_dead, unsaved, taken = view.is_saved, view.is_dead, 0, 0
+        own = self._gpu_hit_keys(state)
+        span = 0  # frontier blocks the allocation reaches (its own free GPU hits included)
+        for _, key in view.gpu_eviction_candidates():
+            if taken >= need:
                 break
+            span += 1
+            if key in own:
+                continue  # its own GPU hit: the allocation takes it out of the queue, evicting nothing
+            taken += 1
             if key is not None and not is_saved(key) and not is_dead(key):
                 unsaved += 1
         # Worth a step only if the CPU tier can take them (a tiny tier would defer in vain).
         if unsaved == 0 or unsaved > view.cpu_num_free_blocks():
             return True
-        self._deficit += need
+        self._deficit += span
+        self._deferred[state.request_id] = (self._steps, in_a_row + 1)
         return False
 
+    def _gpu_hit_keys(self, state: RequestState) -> frozenset[bytes | None]:
+        """Keys of the request's GPU-hit blocks. Some may be free, near the frontier: its allocation takes
+        them out of the free queue without evicting them, so the blocks it evicts lie that much further on."""
+        if not state.num_gpu_hit_blocks:
+            return frozenset()
+        hashes, group = state.request.block_hashes, self.view.group_id
+        return frozenset(with_group_id(hashes[i], group) for i in range(min(state.num_gpu_hit_blocks, len(hashes))))
+
     def _tick(self) -> None:
-        """One engine step: CPU pressure, the decaying allocation peak, how long store events last."""
+        """One engine step: CPU pressure, the decaying peak of allocations nothing covered (not the prompt
+        chunks the last store saved ahead, nor the admission of a step that ran at most one request: that
+        goes into a mean), how long store events last."""
         self._steps += 1
         evictions = self.view.cpu_num_evictions()
         if evictions != self._evictions_seen:
             self._evictions_seen, self._last_eviction_step = evictions, self._steps
-        self._peak_alloc = max(float(self._step_alloc), 0.9 * self._peak_alloc)
-        self._step_alloc = 0
+        alone = self._admit_alloc if self._num_scheduled <= 1 else 0
+        self._num_scheduled = 0
+        uncovered = max(0, self._step_alloc - alone - self._covered)
+        self._peak_alloc = max(float(uncovered), 0.9 * self._peak_alloc)
+        self._admit_mean = (1.0 - ADMIT_WEIGHT) * self._admit_mean + ADMIT_WEIGHT * alone
+        self._step_alloc = self._admit_alloc = 0
+        bound = self.view.max_blocks_per_step
+        self._covered = self._pending if bound is None else min(self._pending, bound)
+        self._pending = 0
         event = self._last_event_id
         if event is not None:
             outstanding = self.view.is_store_outstanding(event)
@@ -136,7 +204,8 @@ class LazyStorePolicy(StorePolicy):
         # lookahead; if the store lands first, the block is back (saved) and it should. Weigh each pick by
         # how often the last event was still in flight at the next step's metadata (`_p_inflight`).
         pick_cost = 1.0 - self._p_inflight
-        budget = float(self.lookahead + self._deficit)
+        budget = float(self.lookahead + self._deficit + self._covered)
+        self._demand = int(budget)
         self._deficit = 0
         room = view.cpu_num_free_blocks() - len(picks.gpu_ids)
         for gpu_id, key in view.gpu_eviction_candidates():
@@ -175,9 +244,10 @@ class LazyStorePolicy(StorePolicy):
         When the free queue is shorter than the lookahead, those allocations could evict them unsaved: hold
         them until the next store event takes them, as many as the CPU tier has room for (holding what
         cannot be stored would only shrink the GPU's free queue)."""
+        self._deferred.pop(state.request_id, None)
         view = self.view
         room = view.cpu_num_free_blocks() - len(self._held)
-        if view.gpu_num_free_blocks() >= self.lookahead or room <= 0:
+        if view.gpu_num_free_blocks() >= max(self.lookahead, self._demand) or room <= 0:
             return []
         hashes, group = state.request.block_hashes, view.group_id
         n = min(state.num_computed_tokens // view.block_size, len(hashes), len(state.gpu_block_ids))

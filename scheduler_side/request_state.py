@@ -113,7 +113,7 @@ class RequestState:
     phase: Phase = Phase.NEW  # change only with `move_to`
     pending_hit: PendingHit | None = None  # at most one; never together with an unfinished `load`
     load: LoadJob | None = None  # at most one load job in flight
-    num_deferrals: int = 0  # lookups the store policy deferred to the next step (lazy: at most one)
+    num_deferrals: int = 0  # lookups the store policy deferred to the next step (lazy: at most 4 in a row)
     num_store_waits: int = 0  # lookups answered "ask again" for a block being stored (bounded by config)
     remote: RemoteWait | None = None  # the remote tier's one lookup for this request (none without the tier)
     num_admitted_keys: int = 0  # block keys the admission filter has seen of this request (a cursor)

@@ -93,7 +93,7 @@ def test_dead_blocks_an_admission_would_evict_do_not_defer_it() -> None:
     frontier blocks are not a reason."""
     k = keys(2)
     policy = LazyStorePolicy(View([(1, k[0]), (2, k[1])], dead=set(k)))
-    state = SimpleNamespace(num_deferrals=0, num_gpu_hit_blocks=0,
+    state = SimpleNamespace(num_deferrals=0, num_gpu_hit_blocks=0, request_id="R",
                             request=SimpleNamespace(num_tokens=2 * BS))
     assert policy.may_admit(state, 0) is True
     live = LazyStorePolicy(View([(1, k[0]), (2, k[1])], dead=set()))

@@ -64,8 +64,8 @@ def empty(first_id: int, n: int) -> list[tuple[int, bytes | None]]:
     return [(first_id + i, None) for i in range(n)]
 
 
-def state_of(num_blocks: int, gpu_hit_blocks: int = 0) -> RequestState:
-    state = RequestState(FakeRequest("r", list(range(num_blocks * BS)), BS))
+def state_of(num_blocks: int, gpu_hit_blocks: int = 0, request_id: str = "r") -> RequestState:
+    state = RequestState(FakeRequest(request_id, list(range(num_blocks * BS)), BS))
     state.num_gpu_hit_blocks = gpu_hit_blocks
     return state
 
@@ -108,8 +108,8 @@ def test_an_admission_is_deferred_only_while_the_cpu_tier_can_take_what_it_would
 def test_the_next_store_covers_every_admission_deferred_this_step():
     view = ScriptedView(lazy_lookahead_blocks=1, frontier=unsaved(1, 50))
     policy = LazyStorePolicy(view)
-    assert not policy.may_admit(state_of(2), 0)
-    assert not policy.may_admit(state_of(3), 0)
+    assert not policy.may_admit(state_of(2, request_id="a"), 0)
+    assert not policy.may_admit(state_of(3, request_id="b"), 0)
     assert len(policy.pick_stores().gpu_ids) == 1 + 2 + 3  # the lookahead plus both needs
     policy.on_stores_emitted(None, [])
     assert len(policy.pick_stores().gpu_ids) == 1  # needs are for one step only
