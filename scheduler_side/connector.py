@@ -38,7 +38,7 @@ from scheduler_side.completions import Completions, KVEvent
 from scheduler_side.errors import SchedulerError
 from scheduler_side.free_queue import Block
 from scheduler_side.groups import KVGroup
-from scheduler_side.hybrid import HybridGroups
+from scheduler_side.hybrid import HybridGroups, check_groups_supported
 from scheduler_side.interfaces import GpuPool, RequestLike, StepRequest
 from scheduler_side.lazy_policy import LazyStorePolicy
 from scheduler_side.lookups import Lookups
@@ -49,19 +49,6 @@ from scheduler_side.stats import SchedulerStats
 from scheduler_side.store_policy import EagerStorePolicy, PolicyView, StorePolicy
 
 logger = logging.getLogger(__name__)
-
-
-def check_groups_supported(config: OffloadConfig, groups: tuple[KVGroup, ...]) -> None:
-    """Several KV-cache groups need `store_policy: eager` and no `remote` tier; raises `ValueError` naming
-    the key and what is allowed (before anything is allocated)."""
-    if config.store_policy != "eager":
-        raise ValueError(f"store_policy={config.store_policy!r} supports one KV-cache group; this model has "
-                         f"{len(groups)} (a hybrid model); allowed with several groups: eager (or turn vLLM's "
-                         "hybrid KV cache manager off: disable_hybrid_kv_cache_manager=True)")
-    if config.remote is not None:
-        raise ValueError(f"remote: the remote tier supports one KV-cache group; this model has {len(groups)} "
-                         "(a hybrid model); allowed with several groups: no remote section (or turn vLLM's "
-                         "hybrid KV cache manager off: disable_hybrid_kv_cache_manager=True)")
 
 
 def make_store_policy(config: OffloadConfig, view: PolicyView) -> StorePolicy:

@@ -33,6 +33,19 @@ from scheduler_side.stats import SchedulerStats
 from scheduler_side.store_policy import StorePolicy
 
 
+def check_groups_supported(config: OffloadConfig, groups: tuple[KVGroup, ...]) -> None:
+    """Several KV-cache groups need `store_policy: eager` and no `remote` tier; raises `ValueError` naming
+    the key and what is allowed (before anything is allocated)."""
+    if config.store_policy != "eager":
+        raise ValueError(f"store_policy={config.store_policy!r} supports one KV-cache group; this model has "
+                         f"{len(groups)} (a hybrid model); allowed with several groups: eager (or turn vLLM's "
+                         "hybrid KV cache manager off: disable_hybrid_kv_cache_manager=True)")
+    if config.remote is not None:
+        raise ValueError(f"remote: the remote tier supports one KV-cache group; this model has {len(groups)} "
+                         "(a hybrid model); allowed with several groups: no remote section (or turn vLLM's "
+                         "hybrid KV cache manager off: disable_hybrid_kv_cache_manager=True)")
+
+
 class HybridGroups:
     """The several-groups half of `OffloadScheduler` (which defines these attributes; `_asks_again_for_store`
     is `Lookups`')."""
