@@ -58,6 +58,16 @@ def finish(sched: OffloadScheduler, gpu: BlockPool, req: FakeRequest, ids: list[
     gpu.free([gpu.blocks[i] for i in reversed(ids)])
 
 
+def store_and_finish(sched: OffloadScheduler, gpu: BlockPool, req: FakeRequest) -> list[int]:
+    """Admit `req`, compute its whole prompt in one step, complete that step's store event, finish it.
+    Returns its GPU block ids (free again, their content still cached on the CPU tier)."""
+    _, _, ids = admit(sched, gpu, req)
+    meta = sched.build_connector_meta([step_done(req.request_id, ids, req.num_tokens)])
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    finish(sched, gpu, req, ids)
+    return ids
+
+
 def assert_idle(sched: OffloadScheduler, gpu: BlockPool) -> None:
     """Nothing in flight, every invariant holds, and no block of either tier is referenced."""
     assert sched.is_idle()

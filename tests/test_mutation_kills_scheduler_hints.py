@@ -5,7 +5,7 @@ behaviours the mutation run found no test for (docs/mutation.md)."""
 from __future__ import annotations
 
 import pytest
-from helpers import FakeRequest, admit, finish, make_scheduler, report, step_done
+from helpers import FakeRequest, admit, finish, make_scheduler, report, step_done, store_and_finish
 from test_mutation_kills_scheduler_completions import generate
 
 from offload_connector.config import load_config
@@ -31,11 +31,7 @@ def test_a_session_id_of_the_maximum_length_is_valid() -> None:
 
 def test_load_mapping_errors_name_the_request_and_whole_blocks() -> None:
     sched, gpu = make_scheduler(block_size=BS)
-    a = FakeRequest("A", list(range(9)), BS)
-    _, _, ids = admit(sched, gpu, a)
-    meta = sched.build_connector_meta([step_done("A", ids, 9)])
-    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
-    finish(sched, gpu, a, ids)
+    store_and_finish(sched, gpu, FakeRequest("A", list(range(9)), BS))
     b = FakeRequest("req-b", list(range(9)) + [7, 7, 7, 7], BS)
     assert sched.get_num_new_matched_tokens(b, 0) == (2 * BS, True)
     with pytest.raises(SchedulerError, match=r"req-b: 1 GPU blocks cannot hold a load of 2 blocks after 0 GPU"):
@@ -45,11 +41,7 @@ def test_load_mapping_errors_name_the_request_and_whole_blocks() -> None:
 def test_a_load_queued_twice_is_refused() -> None:
     """Our invariant: a load job is handed to the workers once."""
     sched, gpu = make_scheduler(block_size=BS)
-    a = FakeRequest("A", list(range(9)), BS)
-    _, _, ids = admit(sched, gpu, a)
-    meta = sched.build_connector_meta([step_done("A", ids, 9)])
-    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
-    finish(sched, gpu, a, ids)
+    store_and_finish(sched, gpu, FakeRequest("A", list(range(9)), BS))
     b = FakeRequest("B", list(range(9)), BS)
     admit(sched, gpu, b)
     state = sched._requests["B"]
@@ -108,10 +100,7 @@ def test_store_false_revives_the_dead_blocks_it_hits_on_the_gpu_and_on_the_cpu()
     n blocks) makes every hit block live: "new" starts after the GPU hit *plus* the CPU hit."""
     sched, gpu = make_scheduler(block_size=BS)
     a = hinted(FakeRequest("A", list(range(13)), BS), session="s")
-    _, _, ids = admit(sched, gpu, a)
-    meta = sched.build_connector_meta([step_done("A", ids, 13)])
-    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
-    finish(sched, gpu, a, ids)
+    store_and_finish(sched, gpu, a)
     assert sched.close_session("s") == 3  # A's three full blocks die, their CPU copies demoted (still cached)
     keys = [with_group_id(h) for h in a.block_hashes[:3]]
     assert all(sched.admission.is_dead(k) for k in keys)

@@ -13,36 +13,13 @@ from offload_connector.config import load_config
 from offload_connector.hashing import with_group_id
 from offload_connector.metadata import WorkerReport
 from offload_connector.remote_breaker import RemoteCounters
-from offload_connector.remote_format import RemoteIdentity
 from scheduler_side import BlockPool, BlockPoolGpuView, OffloadScheduler
 from scheduler_side.remote_lookup import RemoteLookups
 from scheduler_side.remote_tier import REMOTE_COUNTERS
 
 pytest.importorskip("redis", reason="the remote tier's client needs the `redis` package")
 
-BS = 4
-IDENTITY = RemoteIdentity(model="m", block_size=BS, hash_algo="xxh3_128", layout="test")
-
-
-class HandLookups:
-    """Stands in for RemoteLookups (as in test_remote_scheduler.py): answers are filed by hand."""
-
-    def __init__(self, client) -> None:
-        self.client, self.questions, self.answers, self.cancelled = client, {}, {}, set()
-
-    def submit(self, hashes, group_id):
-        ticket = len(self.questions)
-        self.questions[ticket] = list(hashes)
-        return ticket
-
-    def take(self, ticket):
-        return self.answers.pop(ticket, None)
-
-    def cancel(self, ticket):
-        self.cancelled.add(ticket)
-
-    def close(self):
-        pass
+from test_remote_scheduler import BS, IDENTITY, HandLookups  # noqa: E402
 
 
 def make(group_id: int = 0) -> tuple[OffloadScheduler, BlockPool]:
