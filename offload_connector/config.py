@@ -42,6 +42,9 @@ class ConfigError(ValueError):
 class TransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     backend: Literal["auto", "cuda", "cpu"] = "auto"
     num_streams: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2  # threads or streams: a bound, not a wish
+    # A load not done this many seconds after it was issued is reported failed (its request recomputes);
+    # its blocks stay quarantined until the copy ends (worker.py, completions.py). None: wait forever.
+    load_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] | None = 30.0
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

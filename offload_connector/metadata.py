@@ -17,7 +17,10 @@ Direction words: *store* is GPU->CPU, *load* is CPU->GPU (never swap/spill/fetch
   start: the worker copies it out first (`write: on_cpu_evict`). All empty without the tier.
 - `WorkerReport`: one worker rank -> scheduler, once per step, naming its `rank`. With tensor parallelism
   each rank reports separately; the scheduler counts a load or store complete once every rank has reported
-  it once (a repeated report from the same rank is ignored), in both adapters the same way.
+  it once (a repeated report from the same rank is ignored), in both adapters the same way. A load the
+  rank gave up on after `transfer.load_timeout_s` is reported finished with every block failed and its
+  event in `expired_load_events`; the rank names the event again in `ended_load_events` once its copy
+  is over, and never earlier.
 
 Imports nothing from the project and no torch.
 """
@@ -68,11 +71,17 @@ class WorkerReport(msgspec.Struct, kw_only=True):
     remote_counters: dict[str, int] = msgspec.field(default_factory=dict)  # remote tier: this rank's deltas
     remote_written_keys: list[bytes] = msgspec.field(default_factory=list)  # ... cache keys of blocks whose
     # copy from this rank is on the server now (written, or there already), since the previous report
+    # Load events this rank gave up on (`transfer.load_timeout_s`): their requests are in finished_load_reqs
+    # with every block failed, but the copy may still run: its blocks stay quarantined until the same
+    # rank lists the event in ended_load_events (its copy is over; nothing of it reported again).
+    expired_load_events: list[int] = msgspec.field(default_factory=list)
+    ended_load_events: list[int] = msgspec.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not (self.finished_load_reqs or self.completed_store_events or self.failed_store_events
-                    or self.failed_load_gpu_blocks or self.completed_fetch_events)
+                    or self.failed_load_gpu_blocks or self.completed_fetch_events or self.expired_load_events
+                    or self.ended_load_events)
 
 
 _meta_encoder = msgspec.msgpack.Encoder()

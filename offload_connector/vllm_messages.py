@@ -58,6 +58,8 @@ def merge_reports(a: WorkerReport, b: WorkerReport) -> WorkerReport:
         remote_counters={k: a.remote_counters.get(k, 0) + b.remote_counters.get(k, 0)
                          for k in a.remote_counters.keys() | b.remote_counters.keys()},
         remote_written_keys=a.remote_written_keys + b.remote_written_keys,
+        expired_load_events=a.expired_load_events + b.expired_load_events,
+        ended_load_events=a.ended_load_events + b.ended_load_events,
     )
 
 

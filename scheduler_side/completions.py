@@ -11,6 +11,12 @@ workers report, and the invariants about transfers in flight that `check_integri
   MRU end; a failed one aborts them and frees them to the LRU end; the GPU sources are released either way.
 - `reset_cache` (vLLM's reset_prefix_cache, sleep) forgets the tier's contents with transfers in flight:
   they finish, failed or uncached, so nothing from before the call is hit-able after it.
+- A load a rank gave up on at its deadline (`transfer.load_timeout_s`, `expired_load_events`) comes as
+  failed whole: its request recomputes now. Its copy may still run, so once the job completes, its GPU
+  blocks (one reference of ours each) and its CPU blocks (the job's, content forgotten) are quarantined
+  in `_expired` until every rank that gave up on it reports the copy over (`ended_load_events`): the late
+  copy then reads a slot nobody rewrote and writes the same tokens' KV into blocks no other request got.
+  A copy that never ends keeps its blocks forever, never a request waiting.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from scheduler_side.block_pool import BlockPool
 from scheduler_side.errors import SchedulerError
 from scheduler_side.interfaces import GpuPool
 from scheduler_side.remote_tier import RemoteTier
-from scheduler_side.request_state import Phase, RequestState, StoreEvent
+from scheduler_side.request_state import LoadJob, Phase, RequestState, StoreEvent
 from scheduler_side.stats import SchedulerStats
 from scheduler_side.store_policy import StorePolicy
 
@@ -40,6 +46,13 @@ class KVEvent:
     medium: str = "CPU"  # "CPU": our tier; "REMOTE": the shared server (stored only: it evicts silently)
 
 
+@dataclass(slots=True)
+class ExpiredLoad:
+    """A load event some rank gave up on while its copy may still run."""
+
+    ranks: set[int]  # ranks that gave up on it and have not yet reported its copy over
+    jobs: list[LoadJob]  # its completed jobs: their GPU (ours) and CPU references, held until `ranks` empties
+
 
 class Completions:
     """The completion half of `OffloadScheduler` (which defines these attributes)."""
@@ -53,6 +66,7 @@ class Completions:
     _requests: dict[str, RequestState]
     _loads_to_send: list[RequestState]
     _store_events: dict[int, StoreEvent]
+    _expired: dict[int, ExpiredLoad]  # load event id -> its quarantine (deadline passed, copy may still run)
     _next_store_event: int
     _kv_events: list[KVEvent]
     remote: RemoteTier | None
@@ -74,8 +88,12 @@ class Completions:
             stats.load_seconds += report.load_seconds
             failed = set(report.failed_load_gpu_blocks)  # blocks of this report's loads that failed
             stats.num_failed_load_blocks += len(failed)
+            for event_id in report.expired_load_events:  # before its requests: their jobs may complete now
+                self._on_load_expired(event_id, rank)
             for req_id in report.finished_load_reqs:
                 self._on_load_report(req_id, rank, failed)
+            for event_id in report.ended_load_events:  # after them: a merged report may carry all three
+                self._on_expired_load_ended(event_id, rank)
             for event_id in report.completed_store_events:
                 self._on_store_report(event_id, False, rank)
             for event_id in report.failed_store_events:
@@ -105,6 +123,19 @@ class Completions:
         if len(job.reported_ranks) < self.world_size:
             return
         state.load = None
+        expired = self._expired.get(job.event_id)
+        if expired is not None:  # a copy may still write its GPU blocks and read its CPU blocks
+            self._quarantine(job, expired)
+        else:
+            self._release_load(job)
+        if state.phase is Phase.FINISHED:
+            del self._requests[req_id]
+        else:
+            state.move_to(Phase.RUNNING)
+
+    def _release_load(self, job: LoadJob) -> None:
+        """A completed load's references go back: the GPU ones it holds, and its CPU blocks (forgotten when
+        the GPU holds their content under the policy's rule)."""
         if job.holds_gpu:  # the request finished while loading (request_finished took these references)
             self.gpu_pool.free(job.gpu_block_ids)
         cpu_pool = self.cpu_pool
@@ -113,10 +144,45 @@ class Completions:
                 if block.ref_cnt == 1:  # only the load's own reference, dropped right below
                     cpu_pool.uncache(block)
         cpu_pool.free(job.cpu_blocks, front=self.policy.cpu_copy_worthless_after_load)
-        if state.phase is Phase.FINISHED:
-            del self._requests[req_id]
-        else:
-            state.move_to(Phase.RUNNING)
+
+    def _on_load_expired(self, event_id: int, rank: int) -> None:
+        """A rank gave up on a load event at its deadline (its requests come as failed in the same report)."""
+        expired = self._expired.get(event_id)
+        if expired is None:
+            expired = self._expired[event_id] = ExpiredLoad(set(), [])
+            self.stats.num_load_timeouts += 1
+        expired.ranks.add(rank)
+
+    def _quarantine(self, job: LoadJob, expired: ExpiredLoad) -> None:
+        """Keep a completed job's blocks from every other use while an expired copy of it may run: one GPU
+        reference of ours on each block (the engine may free and reallocate the request's blocks), and the
+        job's CPU references (their content was forgotten with the failed blocks, so nothing hits them).
+        Only references move: a block with one cannot be evicted, reallocated or rewritten."""
+        if not job.holds_gpu:
+            self.gpu_pool.touch(job.gpu_block_ids)
+            job.holds_gpu = True
+        expired.jobs.append(job)
+        self.stats.num_quarantined_blocks += job.num_blocks
+
+    def _on_expired_load_ended(self, event_id: int, rank: int) -> None:
+        """A rank's expired copy is over: when no rank's is left, the quarantined blocks go back."""
+        expired = self._expired.get(event_id)
+        if expired is None or rank not in expired.ranks:
+            logger.warning("ignoring the end of load event %d from rank %d, which did not give it up", event_id,
+                           rank)
+            return
+        expired.ranks.discard(rank)
+        if expired.ranks:
+            return
+        del self._expired[event_id]
+        for job in expired.jobs:
+            self.gpu_pool.free(job.gpu_block_ids)
+            self.cpu_pool.free(job.cpu_blocks, front=True)
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        """GPU blocks (and as many CPU blocks) kept out of use now for copies that may still run."""
+        return sum(job.num_blocks for e in self._expired.values() for job in e.jobs)
 
     def _on_store_report(self, event_id: int, failed: bool, rank: int) -> None:
         event = self._store_events.get(event_id)
@@ -195,7 +261,8 @@ class Completions:
     def num_inflight_transfers(self) -> int:
         """Transfers in flight or queued (the engine should keep stepping until this is zero)."""
         return (len(self._store_events) + sum(1 for s in self._requests.values() if s.load is not None)
-                + self.policy.num_held_blocks + (self.remote.num_events if self.remote is not None else 0))
+                + self.policy.num_held_blocks + (self.remote.num_events if self.remote is not None else 0)
+                + len(self._expired))
 
     def has_live_requests(self) -> bool:
         """Some request is looked up, waiting for its load, or running (O(1))."""
@@ -204,7 +271,8 @@ class Completions:
     def is_idle(self) -> bool:
         if self.remote is not None and self.remote.num_events:
             return False
-        return not self._store_events and not self._loads_to_send and not self.policy.num_held_blocks and all(
+        return not self._store_events and not self._loads_to_send and not self.policy.num_held_blocks and \
+            not self._expired and all(
             s.load is None and s.pending_hit is None for s in self._requests.values()
         )
 
@@ -214,6 +282,7 @@ class Completions:
         held = {b.block_id for e in self._store_events.values() for b in e.cpu_blocks}
         if self.remote is not None:
             held |= self.remote.held_block_ids()
+        held.update(b.block_id for e in self._expired.values() for job in e.jobs for b in job.cpu_blocks)
         for s in self._requests.values():
             if (s.pending_hit is not None) != (s.phase is Phase.PENDING_HIT) or (s.load is not None) != (
                     s.phase in (Phase.LOADING, Phase.FINISHED)):

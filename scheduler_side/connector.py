@@ -34,7 +34,7 @@ from offload_connector.remote_format import RemoteIdentity
 from scheduler_side.admission import AdmissionFilter
 from scheduler_side.admission_hooks import Admissions
 from scheduler_side.block_pool import BlockPool
-from scheduler_side.completions import Completions, KVEvent
+from scheduler_side.completions import Completions, ExpiredLoad, KVEvent
 from scheduler_side.errors import SchedulerError
 from scheduler_side.free_queue import Block
 from scheduler_side.groups import KVGroup
@@ -97,6 +97,7 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
         self._requests: dict[str, RequestState] = {}
         self._loads_to_send: list[RequestState] = []  # load jobs created since the last metadata
         self._store_events: dict[int, StoreEvent] = {}
+        self._expired: dict[int, ExpiredLoad] = {}  # expired load events whose copy may still run
         self._next_load_event = 0
         self._next_store_event = 0
         self._kv_events: list[KVEvent] = []

@@ -8,7 +8,8 @@ engine KV cache -> host pool; load: host pool -> engine KV cache). Contract for 
 - `submit()` never blocks on the copy; each submitted job produces exactly one `JobResult`, returned by
   exactly one `poll()` call, after its copies finished (or failed). A failed job lists the destination
   block ids whose bytes are not valid (all of them when unsure).
-- `wait(job_ids)` blocks until those jobs have finished (their results are still returned by `poll()`).
+- `wait(job_ids, timeout)` blocks until those jobs have finished (their results are still returned by
+  `poll()`), or `timeout` seconds passed (None: no limit).
 - `sync_loads`: whether the engine thread should wait for a step's loads in `get_finished` (CPU: the copy
   is the only work in flight, and waiting makes a CPU hit resume the next step) or only poll (CUDA: loads
   overlap the forward and the engine thread never blocks on them).
@@ -88,8 +89,8 @@ class TransferBackend(abc.ABC):
         """Results of jobs finished since the previous poll (each job once)."""
 
     @abc.abstractmethod
-    def wait(self, job_ids: Collection[int] | None = None) -> None:
-        """Block until the given jobs (all submitted jobs when None) have finished."""
+    def wait(self, job_ids: Collection[int] | None = None, timeout: float | None = None) -> None:
+        """Block until the given jobs (all submitted jobs when None) have finished, at most `timeout` s."""
 
     @abc.abstractmethod
     def shutdown(self) -> None:

@@ -154,12 +154,12 @@ class CpuBackend(TransferBackend):
             out, self._results = self._results, []
         return out
 
-    def wait(self, job_ids: Collection[int] | None = None) -> None:
+    def wait(self, job_ids: Collection[int] | None = None, timeout: float | None = None) -> None:
         with self._lock:
             if job_ids is None:
-                self._lock.wait_for(lambda: not self._jobs)
+                self._lock.wait_for(lambda: not self._jobs, timeout)
             else:
-                self._lock.wait_for(lambda: not any(j in self._jobs for j in job_ids))
+                self._lock.wait_for(lambda: not any(j in self._jobs for j in job_ids), timeout)
 
     def shutdown(self) -> None:
         with self._lock:

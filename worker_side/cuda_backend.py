@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 KERNEL_MAX_SEGMENT_BYTES = 64 << 10  # not yet tuned on a GPU: see docs/worker.md
 DMA_MAX_SEGMENTS = 1024  # more segments than this cost the driver (and numpy) more than one kernel launch
 RING_ENTRIES = 1 << 16  # int64 block ids per stream (a job takes 2 per block)
+WAIT_POLL_S = 0.0002  # a bounded wait for loads polls their events this often
 
 
 @dataclass(slots=True)
@@ -256,14 +257,19 @@ class CudaBackend(TransferBackend):
                 out.append(self._finish(kind))
         return out
 
-    def wait(self, job_ids: Collection[int] | None = None) -> None:
+    def wait(self, job_ids: Collection[int] | None = None, timeout: float | None = None) -> None:
         if self._device is None:
             return
         self._use_device()
-        for queue in self._inflight.values():
-            for f in list(queue):
-                if job_ids is None or f.job.job_id in job_ids:
-                    self.rt.synchronize_event(f.done)
+        events = [f.done for queue in self._inflight.values() for f in queue
+                  if job_ids is None or f.job.job_id in job_ids]
+        if timeout is None:
+            for event in events:
+                self.rt.synchronize_event(event)
+            return
+        deadline = time.perf_counter() + timeout  # a bounded wait polls: CUDA has no timed event wait
+        while not all(self.rt.query_event(e) for e in events) and time.perf_counter() < deadline:
+            time.sleep(WAIT_POLL_S)
 
     def shutdown(self) -> None:
         """Let every submitted copy finish (CUDA cannot cancel them), then unpin. Idempotent."""

@@ -5,7 +5,10 @@
   destination ids as failed; `fail_load_gpu_blocks` fails only those GPU blocks of a load (the rest copy);
 - a delayed job's result is held back `delay_s` seconds after submission;
 - a held job (`hold(job)` true) is reported only after `release(job_id)` / `release_all()`, which lets
-  tests complete jobs in any order without timing assumptions.
+  tests complete jobs in any order without timing assumptions;
+- a stalled job (`stall(job)` true) is not even handed to `inner` before `release(job_id)` /
+  `release_all()`: its copy runs late, reading its source and writing its destination then (a copy
+  stuck in a queue or on a hung link).
 Which jobs fail: `fail_loads` / `fail_stores` (True for all, or a collection of event ids), `predicate(job)`,
 or `fail_rate` with a seeded RNG. Invariant: each submitted job still yields exactly one result.
 """
@@ -34,6 +37,7 @@ class _Fate:
     failed: tuple[int, ...]
     release_at: float
     held: bool
+    stalled: CopyJob | None = None  # a stalled job, handed to the inner backend at its release
     result: JobResult | None = None  # set once the inner backend (or the injection) finished it
 
 
@@ -42,12 +46,14 @@ class FaultyBackend(TransferBackend):
                  fail_stores: bool | Collection[int] = False, fail_load_gpu_blocks: Collection[int] = (),
                  fail_rate: float = 0.0, seed: int = 0, predicate: Callable[[CopyJob], bool] | None = None,
                  delay_s: float | Callable[[CopyJob], float] = 0.0,
-                 hold: Callable[[CopyJob], bool] | None = None) -> None:
+                 hold: Callable[[CopyJob], bool] | None = None,
+                 stall: Callable[[CopyJob], bool] | None = None) -> None:
         self.inner = inner
         self.name = f"faulty({inner.name})"
         self.fail_loads, self.fail_stores = fail_loads, fail_stores
         self.fail_load_gpu_blocks = frozenset(fail_load_gpu_blocks)
         self.fail_rate, self.predicate, self.delay_s, self.hold = fail_rate, predicate, delay_s, hold
+        self.stall = stall
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._fates: dict[int, _Fate] = {}
@@ -89,25 +95,34 @@ class FaultyBackend(TransferBackend):
             keep = ~np.isin(job.dst_ids, list(self.fail_load_gpu_blocks))
             fate.failed = tuple(int(i) for i in job.dst_ids[~keep])
             job = CopyJob(job.job_id, job.kind, job.event_id, job.src_ids[keep], job.dst_ids[keep])
+        if fate.result is None and self.stall is not None and self.stall(job):
+            fate.stalled = job
         with self._lock:
             self._fates[job.job_id] = fate
-        if fate.result is None:
+        if fate.result is None and fate.stalled is None:
             self.inner.submit(job)
 
     def release(self, job_id: int) -> None:
         with self._lock:
             if job_id not in self._fates:
                 raise WorkerInvariantError(f"release({job_id}): no such job in flight")
-            self._fates[job_id].held = False
+            fate = self._fates[job_id]
+            fate.held, stalled, fate.stalled = False, fate.stalled, None
+        if stalled is not None:
+            self.inner.submit(stalled)
 
     def release_all(self) -> None:
         with self._lock:
+            stalled = [f.stalled for f in self._fates.values() if f.stalled is not None]
             for fate in self._fates.values():
-                fate.held = False
+                fate.held, fate.stalled = False, None
+        for job in stalled:
+            self.inner.submit(job)
 
     def held_job_ids(self) -> list[int]:
+        """Jobs held or stalled: waiting for `release`."""
         with self._lock:
-            return [j for j, f in self._fates.items() if f.held]
+            return [j for j, f in self._fates.items() if f.held or f.stalled is not None]
 
     def poll(self) -> list[JobResult]:
         now = time.perf_counter()
@@ -124,14 +139,19 @@ class FaultyBackend(TransferBackend):
                     del self._fates[job_id]
         return out
 
-    def wait(self, job_ids: Collection[int] | None = None) -> None:
+    def wait(self, job_ids: Collection[int] | None = None, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.perf_counter() + timeout
         with self._lock:
             ids = list(self._fates) if job_ids is None else [j for j in job_ids if j in self._fates]
-            held = [j for j in ids if self._fates[j].held]
+            held = [j for j in ids if self._fates[j].held or self._fates[j].stalled is not None]
             release_at = max((self._fates[j].release_at for j in ids), default=0.0)
-        if held:
+        if held and deadline is None:
             raise WorkerInvariantError(f"wait() on held jobs {held} would block forever; release them first")
-        self.inner.wait(ids)
+        self.inner.wait([j for j in ids if j not in held], timeout)
+        if held:  # they cannot finish before their release: the wait lasts its whole timeout
+            release_at = deadline
+        elif deadline is not None:
+            release_at = min(release_at, deadline)
         time.sleep(max(0.0, release_at - time.perf_counter()))
 
     def shutdown(self) -> None:

@@ -16,6 +16,13 @@ Lifecycle and invariants:
   says so (`sync_loads`: the CPU backend, one-step resume), else only polls (CUDA: the engine thread never
   blocks); it never waits for stores. Metadata that breaks the `TransferMetadata` invariants raises
   `WorkerInvariantError` before anything is submitted.
+- a deadline on loads (`transfer.load_timeout_s`): a load job not done that long after its submission is
+  reported as if it had failed whole (its requests finished, every GPU block failed: the engine
+  recomputes them) and its event listed in `expired_load_events`. A copy cannot be recalled, so the job
+  stays in `_jobs` (`expired`) until the backend reports it; then its event goes to `ended_load_events`
+  and nothing else of it is reported. Until then the scheduler keeps its GPU and CPU blocks out of every
+  other use (completions.py), so the late copy writes only what a load of those tokens writes, into
+  blocks nobody else holds. A wait for this step's loads never outlasts the deadline.
 - with the remote tier (`config.remote` and a `remote_identity` from the adapter), `start_load` also hands
   the step's fetch event to `remote_io.RemoteWorkerIO`, `get_finished` reports finished fetches and queues a
   completed store's blocks for writing (their bytes are copied before the report leaves this rank).
@@ -54,6 +61,7 @@ class JobRecord:
     load_req_num_blocks: tuple[int, ...] = ()  # blocks of each of load_reqs, in order (may be empty)
     load_dst: np.ndarray | None = None  # a load's GPU block ids (to name the requests of failed blocks)
     remote_write: tuple[np.ndarray, list[bytes]] | None = None  # a store's CPU blocks and keys (remote tier)
+    expired: bool = False  # a load reported as failed after the deadline; its copy may still run
 
 
 class OffloadWorker:
@@ -75,6 +83,8 @@ class OffloadWorker:
         self._instant: list[JobResult] = []  # jobs with no blocks: finished at submission
         self._scratch: dict[int, np.ndarray] = {}  # per id range: the duplicate check's scratch array
         self._closed = False
+        self.load_timeout_s = config.transfer.load_timeout_s  # None: loads are waited for forever
+        self.num_load_timeouts = 0  # load jobs given up on (expired), since start
 
     # ---- registration -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], num_gpu_blocks: int | None = None,
@@ -231,7 +241,10 @@ class OffloadWorker:
         if wait_for_loads is None:
             wait_for_loads = self.backend.sync_loads
         if wait_for_loads and self._loads_this_step:
-            self.backend.wait([j for j in self._loads_this_step if j in self._jobs])
+            instant = {r.job_id for r in self._instant}  # (never submitted: nothing to wait for)
+            waiting = [j for j in self._loads_this_step if j in self._jobs and j not in instant]
+            if waiting:
+                self.backend.wait(waiting, timeout=self._time_to_deadline(waiting))
         self._loads_this_step = []
         results, self._instant = self._instant + self.backend.poll(), []
         self.backend.end_step()
@@ -242,7 +255,9 @@ class OffloadWorker:
             if rec is None:
                 raise WorkerInvariantError(f"backend reported job {r.job_id}, which is not in flight (our bug)")
             seconds = max(0.0, r.finished_at - rec.submitted_at)
-            if rec.kind == "load":
+            if rec.expired:  # reported failed at its deadline; its copy is over only now
+                report.ended_load_events.append(rec.event_id)
+            elif rec.kind == "load":
                 report.finished_load_reqs.extend(rec.load_reqs)
                 report.failed_load_gpu_blocks.extend(r.failed_dst_ids)
                 if len(r.failed_dst_ids):
@@ -257,6 +272,7 @@ class OffloadWorker:
                     self.remote.enqueue_write(*rec.remote_write)
             else:
                 report.failed_store_events.append(rec.event_id)
+        self._expire_loads(report)
         if self.remote is not None:
             for fetch in self.remote.poll():
                 report.completed_fetch_events.append(fetch.event_id)
@@ -264,6 +280,33 @@ class OffloadWorker:
             report.remote_counters = self.remote.take_counter_deltas()
             report.remote_written_keys = self.remote.take_on_server_keys()
         return report
+
+    def _time_to_deadline(self, job_ids: Sequence[int]) -> float | None:
+        """Seconds until the first of these jobs reaches the load deadline (0 if one has), None: no deadline."""
+        if self.load_timeout_s is None or not job_ids:
+            return None
+        first = min(self._jobs[j].submitted_at for j in job_ids)
+        return max(0.0, first + self.load_timeout_s - time.perf_counter())
+
+    def _expire_loads(self, report: WorkerReport) -> None:
+        """Report each load job past the deadline as failed whole, once, and mark it expired. O(jobs in
+        flight)."""
+        if self.load_timeout_s is None:
+            return
+        waiting = [rec for rec in self._jobs.values() if rec.kind == "load" and not rec.expired]
+        if not waiting:
+            return  # (no clock reading)
+        cutoff = time.perf_counter() - self.load_timeout_s
+        for rec in waiting:
+            if rec.submitted_at > cutoff:
+                continue
+            rec.expired = True
+            self.num_load_timeouts += 1
+            report.expired_load_events.append(rec.event_id)
+            report.finished_load_reqs.extend(rec.load_reqs)
+            report.failed_load_reqs.extend(rec.load_reqs)
+            if rec.load_dst is not None:
+                report.failed_load_gpu_blocks.extend(int(i) for i in rec.load_dst)
 
     def wait_all(self) -> None:
         """Block until every submitted job has finished (results stay queued for get_finished); with the
