@@ -5,7 +5,7 @@ next step. Through the scripted `PolicyView` of test_mutation_kills_scheduler_la
 
 from __future__ import annotations
 
-from helpers import FakeRequest
+from helpers import FakeRequest, make_scheduler, store_and_finish
 from test_mutation_kills_scheduler_lazy import BS, ScriptedView, empty, key, unsaved
 
 from offload_connector.hashing import with_group_id
@@ -146,3 +146,24 @@ def test_a_deferred_request_asked_again_within_the_step_adds_no_second_span():
     assert not policy.may_admit(state, 0)
     assert not policy.may_admit(state, 0)  # still deferred: this step's store saves its span once
     assert len(step(policy)) == 1 + 3
+
+
+# ---- what a deferral keeps --------------------------------------------------------------------------------------
+def test_a_deferred_lookup_keeps_its_cpu_hit_from_the_stores_that_save_its_span():
+    """The store that saves a deferred request's span evicts from the CPU tier's LRU end, where the request's
+    own CPU hit may lie: the deferral makes that hit the most recently used, so it is still there when the
+    request comes back (before, one agentic request found 676 blocks, was deferred and got 0)."""
+    sched, gpu = make_scheduler(num_cpu_blocks=9)  # 8 usable CPU blocks
+    a = FakeRequest("a", list(range(16)), 4)
+    b = FakeRequest("b", list(range(100, 116)), 4)
+    store_and_finish(sched, gpu, a)
+    store_and_finish(sched, gpu, b)  # A's 4 blocks are now the least recently used
+    later = FakeRequest("r", list(range(16)) + [999], 4)
+    sched.policy.may_admit = lambda state, num_cpu_hit_blocks: False  # whatever the reason, it is deferred
+    assert sched.get_num_new_matched_tokens(later, 0) == (None, False)
+    next_victims = [block.block_hash for block in list(sched.cpu_pool.free_queue)[:4]]
+    assert set(next_victims) == {with_group_id(h) for h in b.block_hashes}
+    assert sched.cpu_pool.num_held_blocks() == 0  # moved, not pinned
+    del sched.policy.may_admit
+    hit, _ = sched.get_num_new_matched_tokens(later, 0)
+    assert hit == 16
