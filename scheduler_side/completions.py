@@ -180,7 +180,7 @@ class Completions:
             self.cpu_pool.free(job.cpu_blocks, front=True)
 
     @property
-    def num_quarantined_blocks(self) -> int:
+    def num_blocks_in_quarantine(self) -> int:
         """GPU blocks (and as many CPU blocks) kept out of use now for copies that may still run."""
         return sum(job.num_blocks for e in self._expired.values() for job in e.jobs)
 
@@ -271,10 +271,9 @@ class Completions:
     def is_idle(self) -> bool:
         if self.remote is not None and self.remote.num_events:
             return False
-        return not self._store_events and not self._loads_to_send and not self.policy.num_held_blocks and \
-            not self._expired and all(
-            s.load is None and s.pending_hit is None for s in self._requests.values()
-        )
+        if self._store_events or self._loads_to_send or self.policy.num_held_blocks or self._expired:
+            return False
+        return all(s.load is None and s.pending_hit is None for s in self._requests.values())
 
     def check_integrity(self) -> None:
         """Pool invariants plus: when idle, the connector holds no CPU references at all."""

@@ -126,14 +126,14 @@ def test_an_overdue_load_is_recomputed_and_its_blocks_quarantined_until_the_copy
         assert conn.stats.num_load_timeouts == 1 and engine.stats.failed_load_blocks == 3
         assert engine.stats.recomputed_tokens == 0  # its 3 blocks were never computed before, only given up on
         # 2. the copy may still run: its 3 GPU blocks and 3 CPU blocks are ours alone
-        assert conn.num_quarantined_blocks == 3 and conn.stats.num_quarantined_blocks == 3
+        assert conn.num_blocks_in_quarantine == 3 and conn.stats.num_quarantined_blocks == 3
         assert engine.gpu.pool.num_held_blocks() == 3 and conn.cpu_pool.num_held_blocks() == 3
         assert not conn.is_idle() and conn.num_inflight_transfers == 1
         conn.check_integrity()
         # 3. the copy runs late, then ends: everything goes back, and nothing read is wrong
         backend.release_all()
         engine.drain()
-        assert conn.num_quarantined_blocks == 0 and engine.gpu.pool.num_held_blocks() == 0
+        assert conn.num_blocks_in_quarantine == 0 and engine.gpu.pool.num_held_blocks() == 0
         engine.add_request("c", PROMPT, 2)
         engine.run()
         assert engine.outputs["c"] == reference_output(PROMPT)
@@ -268,10 +268,10 @@ def test_tensor_parallel_ranks_that_disagree() -> None:
         engine.run()
         conn = engine.connector
         assert conn is not None and engine.outputs["b"] == reference_output(PROMPT)
-        assert conn.stats.num_load_timeouts == 1 and conn.num_quarantined_blocks == 3
+        assert conn.stats.num_load_timeouts == 1 and conn.num_blocks_in_quarantine == 3
         backends[0].release_all()
         engine.drain()
-        assert conn.num_quarantined_blocks == 0 and engine.check() == 0 and engine.stats.integrity_errors == 0
+        assert conn.num_blocks_in_quarantine == 0 and engine.check() == 0 and engine.stats.integrity_errors == 0
 
 
 def test_an_end_from_a_rank_that_did_not_give_up_is_ignored() -> None:
@@ -279,7 +279,7 @@ def test_an_end_from_a_rank_that_did_not_give_up_is_ignored() -> None:
         conn = engine.connector
         assert conn is not None
         conn.update_connector_output(WorkerReport(rank=0, ended_load_events=[7]))
-        assert conn.is_idle() and conn.num_quarantined_blocks == 0
+        assert conn.is_idle() and conn.num_blocks_in_quarantine == 0
 
 
 def test_worker_without_deadline_keeps_waiting() -> None:

@@ -88,7 +88,7 @@ def test_a_given_up_load_recomputes_and_its_blocks_wait_for_the_copy(mode: str) 
     assert offload.stats.num_load_timeouts == 1 and offload.stats.num_failed_load_blocks == 3
     # 2. The copy may still write B's 3 blocks: vLLM cannot hand them out, though B is done.
     pool = sim.sched.kv_cache_manager.block_pool
-    assert offload.num_quarantined_blocks == 3
+    assert offload.num_blocks_in_quarantine == 3
     assert all(pool.blocks[i].ref_cnt == 1 for i in blocks)
     assert pool.free_block_queue.num_free_blocks == pool.num_gpu_blocks - 1 - 3
     # 3. A request that needs every block waits for them (the engine is not wedged: a transfer of ours is
@@ -99,7 +99,7 @@ def test_a_given_up_load_recomputes_and_its_blocks_wait_for_the_copy(mode: str) 
     assert offload.num_inflight_transfers > 0
     sim.end_copies()
     sim.run_until_idle()
-    assert "D" in sim.first_scheduled and offload.num_quarantined_blocks == 0
+    assert "D" in sim.first_scheduled and offload.num_blocks_in_quarantine == 0
     sim.assert_no_leaks()
 
 
@@ -111,7 +111,7 @@ def test_abort_after_the_deadline_keeps_the_blocks_until_the_copy_ends(mode: str
     sim.sched.finish_requests("B", RequestStatus.FINISHED_ABORTED)
     run_until_no_requests(sim)
     pool = sim.sched.kv_cache_manager.block_pool
-    assert all(pool.blocks[i].ref_cnt == 1 for i in blocks) and sim.connector.offload.num_quarantined_blocks == 3
+    assert all(pool.blocks[i].ref_cnt == 1 for i in blocks) and sim.connector.offload.num_blocks_in_quarantine == 3
     sim.end_copies()
     sim.step()
     sim.run_until_idle()

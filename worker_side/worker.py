@@ -167,7 +167,8 @@ class OffloadWorker:
         if job_id in self._jobs:
             rec = self._jobs[job_id]
             rec.load_req_num_blocks, rec.load_dst = tuple(meta.load_req_num_blocks), gpu
-        self._loads_this_step.append(job_id)
+        if len(gpu):  # an empty job finished at submission: nothing to wait for
+            self._loads_this_step.append(job_id)
 
     def start_fetch(self, meta: TransferMetadata) -> None:
         """Issue this step's remote fetch (server -> host pool; called by `start_load`)."""
@@ -241,8 +242,7 @@ class OffloadWorker:
         if wait_for_loads is None:
             wait_for_loads = self.backend.sync_loads
         if wait_for_loads and self._loads_this_step:
-            instant = {r.job_id for r in self._instant}  # (never submitted: nothing to wait for)
-            waiting = [j for j in self._loads_this_step if j in self._jobs and j not in instant]
+            waiting = [j for j in self._loads_this_step if j in self._jobs]
             if waiting:
                 self.backend.wait(waiting, timeout=self._time_to_deadline(waiting))
         self._loads_this_step = []
@@ -283,7 +283,7 @@ class OffloadWorker:
 
     def _time_to_deadline(self, job_ids: Sequence[int]) -> float | None:
         """Seconds until the first of these jobs reaches the load deadline (0 if one has), None: no deadline."""
-        if self.load_timeout_s is None or not job_ids:
+        if self.load_timeout_s is None:
             return None
         first = min(self._jobs[j].submitted_at for j in job_ids)
         return max(0.0, first + self.load_timeout_s - time.perf_counter())
