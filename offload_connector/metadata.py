@@ -9,7 +9,9 @@ Direction words: *store* is GPU->CPU, *load* is CPU->GPU (never swap/spill/fetch
   blocks follow those of the requests before it (so a worker can name the requests a failed block hurts:
   `WorkerReport.failed_load_reqs`; empty from a scheduler that does not fill it).
   Invariants: equal lengths per pair of lists; no GPU block appears twice in a step's loads; a store's GPU
-  blocks hold KV that this step's forward has completed once it has run.
+  blocks hold KV that this step's forward has completed once it has run. With `store_after_load`, some of
+  `store_cpu_blocks` are among `load_cpu_blocks` (a loaded block's slot handed to a store): the worker
+  starts the store only after this step's load has read them.
   With the remote tier (remote_config.py): `fetch_cpu_blocks[i]` receives the block whose cache key is
   `fetch_keys[i]` from the server (all of a step's fetches form one fetch event), and `store_keys[i]` is
   the cache key of `store_cpu_blocks[i]`, written to the server once the store completed (`write: on_store`);
@@ -40,6 +42,7 @@ class TransferMetadata(msgspec.Struct, kw_only=True):
     store_gpu_blocks: list[int] = msgspec.field(default_factory=list)
     store_cpu_blocks: list[int] = msgspec.field(default_factory=list)
     store_keys: list[bytes] = msgspec.field(default_factory=list)  # remote tier only (write after store)
+    store_after_load: bool = False  # the store writes host blocks this step's load reads: it goes after it
     fetch_event: int | None = None  # remote tier only: server -> host pool
     fetch_cpu_blocks: list[int] = msgspec.field(default_factory=list)
     fetch_keys: list[bytes] = msgspec.field(default_factory=list)

@@ -39,6 +39,7 @@ _DOCS = {
     "num_store_skipped_blocks": "stores skipped because the CPU pool was pinned full",
     "num_failed_store_blocks": "blocks whose store failed",
     "num_failed_load_blocks": "blocks whose load failed (recomputed by vLLM)",
+    "num_reused_load_slots": "stores written into the CPU slots of blocks their step's load had just read",
     "num_load_timeouts": "loads given up on after transfer.load_timeout_s (their requests recomputed)",
     "num_quarantined_blocks": "blocks of given-up loads kept out of use until their copy ended",
     "num_store_wait_timeouts": "lookups that stopped waiting for a block still being stored and computed it",

@@ -117,8 +117,8 @@ class Completions:
             return
         if failed_gpu_block_ids:  # the engine recomputes these; never offer their CPU copies again (a copy
             for gpu_id, cpu_block in zip(job.gpu_block_ids, job.cpu_blocks, strict=True):  # failing every
-                if gpu_id in failed_gpu_block_ids:  # time would otherwise be retried forever)
-                    self.cpu_pool.uncache(cpu_block)
+                if gpu_id in failed_gpu_block_ids and cpu_block.block_id not in job.lent:  # time would
+                    self.cpu_pool.uncache(cpu_block)  # otherwise be retried forever; a lent slot is a store's)
         job.reported_ranks.add(rank)
         if len(job.reported_ranks) < self.world_size:
             return
@@ -140,8 +140,8 @@ class Completions:
             self.gpu_pool.free(job.gpu_block_ids)
         cpu_pool = self.cpu_pool
         if self.policy.on_load_complete(job):  # the GPU holds the content now: forget the CPU copies
-            for block in job.cpu_blocks:
-                if block.ref_cnt == 1:  # only the load's own reference, dropped right below
+            for block in job.cpu_blocks:  # those with only the load's own reference, dropped right below (a
+                if block.ref_cnt == 1 and block.block_id not in job.lent:  # lent slot holds a store's now)
                     cpu_pool.uncache(block)
         cpu_pool.free(job.cpu_blocks, front=self.policy.cpu_copy_worthless_after_load)
 

@@ -189,6 +189,7 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
     def build_connector_meta(self, scheduled: Iterable[StepRequest]) -> TransferMetadata:
         """This step's transfers: all new loads as one event, the chosen stores as another."""
         meta = TransferMetadata()
+        loaded: list[LoadJob] = []  # this step's load jobs: the store may take their slots
         if self._loads_to_send:
             meta.load_event = self._next_load_event
             self._next_load_event += 1
@@ -202,6 +203,7 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
                 meta.load_event_reqs.append(state.request_id)
                 meta.load_req_num_blocks.append(job.num_blocks)
                 self.stats.num_loaded_blocks += job.num_blocks
+                loaded.append(job)
             self._loads_to_send.clear()
 
         requests, on_scheduled, on_alloc = self._requests, self.policy.on_scheduled, self.policy.on_blocks_allocated
@@ -225,7 +227,7 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
             on_scheduled(state, num_computed_tokens)
 
         picks = self.policy.pick_stores()
-        event = self._emit_store(meta, picks.gpu_ids, picks.keys) if picks.gpu_ids else None
+        event = self._emit_store(meta, picks.gpu_ids, picks.keys, loaded) if picks.gpu_ids else None
         if picks.release_gpu_ids:  # blocks the policy held for this event (which took its own references)
             self.gpu_pool.free(picks.release_gpu_ids)
         self.policy.on_stores_emitted(*((event.event_id, event.gpu_block_ids) if event else (None, [])))
@@ -233,8 +235,11 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
             self.remote.fill_meta(meta)  # after every allocation: the evicted blocks to write, if any
         return meta
 
-    def _emit_store(self, meta: TransferMetadata, gpu_ids: list[int], keys: list[bytes]) -> StoreEvent | None:
-        cpu_blocks = self._allocate_cpu(len(gpu_ids))
+    def _emit_store(self, meta: TransferMetadata, gpu_ids: list[int], keys: list[bytes],
+                    loaded: Sequence[LoadJob] = ()) -> StoreEvent | None:
+        cpu_blocks = self._reuse_load_slots(loaded, len(gpu_ids)) if loaded else []
+        meta.store_after_load = bool(cpu_blocks)
+        cpu_blocks += self._allocate_cpu(len(gpu_ids) - len(cpu_blocks))
         if len(cpu_blocks) < len(gpu_ids):
             self.stats.num_store_skipped_blocks += len(gpu_ids) - len(cpu_blocks)
             gpu_ids, keys = gpu_ids[:len(cpu_blocks)], keys[:len(cpu_blocks)]
@@ -251,6 +256,25 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
         if self.remote is not None and self.remote.enabled and self.config.remote.write == "on_store":
             meta.store_keys = keys  # written to the remote tier once the store completed
         return event
+
+    def _reuse_load_slots(self, loaded: Sequence[LoadJob], num: int) -> list[Block]:
+        """Up to `num` CPU blocks that this step's loads read and nobody else holds, emptied for the store
+        (held: one reference each for the store, the job keeping its own), when the policy lends them.
+        The worker writes the store after the load read them (`store_after_load`). O(blocks taken)."""
+        if not self.policy.lends_load_slots():
+            return []
+        pool, out = self.cpu_pool, []
+        for job in loaded:
+            for block in job.cpu_blocks:
+                if len(out) >= num:
+                    break
+                if block.ref_cnt == 1 and block.block_id not in job.lent:  # the job's reference alone
+                    pool.uncache(block)
+                    job.lent.add(block.block_id)
+                    out.append(block)
+        pool.touch(out)
+        self.stats.num_reused_load_slots += len(out)
+        return out
 
     def _allocate_cpu(self, num: int) -> list[Block]:
         """Up to `num` CPU blocks, evicting LRU cached ones; fewer when the pool is pinned full."""

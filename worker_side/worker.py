@@ -7,7 +7,8 @@ Lifecycle and invariants:
 - `register_*` once, before any transfer; block id 0 of both tiers is never copied.
 - per step: `begin_step()` before the forward is launched (the backend fences loads on the work launched
   before it), then `start_load` / `start_store` (one job each, stores after the forward wrote the blocks;
-  the backend orders each against the compute stream where one exists), then `get_finished()`.
+  the backend orders each against the compute stream where one exists; with `store_after_load` the store
+  also follows this step's load, whose source slots it rewrites), then `get_finished()`.
 - `_jobs` holds exactly the submitted jobs whose result has not been reported; each job is reported once:
   a load job lists its requests in `finished_load_reqs` (also when it failed: failed GPU blocks go to
   `failed_load_gpu_blocks`, and the engine recomputes them); a store job's event goes to
@@ -188,7 +189,13 @@ class OffloadWorker:
         if meta.store_event is None:
             return
         gpu, cpu = self._checked_ids("store", meta.store_event, meta.store_gpu_blocks, meta.store_cpu_blocks)
-        job_id = self._submit("store", meta.store_event, gpu, cpu, ())
+        after: tuple[int, ...] = ()
+        if meta.store_after_load:
+            if meta.load_event is None:
+                raise WorkerInvariantError(f"store event {meta.store_event} must follow this step's load, but "
+                                           "the step has no load event (scheduler bug)")
+            after = tuple(j for j in self._loads_this_step if j in self._jobs)
+        job_id = self._submit("store", meta.store_event, gpu, cpu, (), after)
         if self.remote is not None and meta.store_keys and job_id in self._jobs:
             self._jobs[job_id].remote_write = (cpu, list(meta.store_keys))
 
@@ -222,14 +229,14 @@ class OffloadWorker:
         return bool((scratch[ids] != positions).any())
 
     def _submit(self, kind: JobKind, event_id: int, src: np.ndarray, dst: np.ndarray,
-                load_reqs: tuple[str, ...]) -> int:
+                load_reqs: tuple[str, ...], after: tuple[int, ...] = ()) -> int:
         job_id = next(self._job_ids)
         self._jobs[job_id] = JobRecord(kind, event_id, len(dst), time.perf_counter(), load_reqs)
         if len(dst) == 0:
             self._instant.append(JobResult(job_id, finished_at=time.perf_counter()))
             return job_id
         try:
-            self.backend.submit(CopyJob(job_id, kind, event_id, src, dst))
+            self.backend.submit(CopyJob(job_id, kind, event_id, src, dst, after))
         except BaseException:
             del self._jobs[job_id]  # a failed submission leaves state unchanged
             raise
