@@ -33,6 +33,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.world_size = world_size
         self.reqs: dict[str, Running] = {}
         self.sent_loads: list[str] = []  # requests whose load was handed to the workers
+        self.load_reads: dict[str, set[int]] = {}  # sent load -> the CPU blocks it reads until it completes
         self.stores: dict[int, list[int]] = {}  # store event -> GPU blocks
         self.next_id = 0
 
@@ -65,6 +66,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             r.computed = min(r.req.num_tokens, r.computed + data.draw(st.integers(1, 9)))
             steps.append(StepRequest(rid, r.gpu_ids, r.computed, True))
         meta = self.sched.build_connector_meta(steps)
+        # A store never writes a CPU block an earlier step's load still reads; it writes one this step's load
+        # reads only with store_after_load (the workers then order it after that load).
+        written = set(meta.store_cpu_blocks)
+        assert not any(written & reads for reads in self.load_reads.values())
+        assert meta.store_after_load == bool(written & set(meta.load_cpu_blocks))
+        start = 0
+        for rid, n in zip(meta.load_event_reqs, meta.load_req_num_blocks, strict=True):
+            self.load_reads[rid] = set(meta.load_cpu_blocks[start:start + n])
+            start += n
         self.sent_loads.extend(meta.load_event_reqs)
         if meta.store_event is not None:
             self.stores[meta.store_event] = list(meta.store_gpu_blocks)
@@ -89,6 +99,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def complete_load(self, data, failed):
         rid = data.draw(st.sampled_from(self.sent_loads))
         self.sent_loads.remove(rid)
+        self.load_reads.pop(rid, None)
         self.sched.update_connector_output(
             self.every_rank(data, finished_load_reqs=[rid], failed_load_gpu_blocks=[1] if failed else []))
         if rid in self.reqs:
