@@ -227,6 +227,8 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
             on_scheduled(state, num_computed_tokens)
 
         picks = self.policy.pick_stores()
+        if picks.refresh_keys:
+            self._refresh_cpu_copies(picks.refresh_keys)
         event = self._emit_store(meta, picks.gpu_ids, picks.keys, loaded) if picks.gpu_ids else None
         if picks.release_gpu_ids:  # blocks the policy held for this event (which took its own references)
             self.gpu_pool.free(picks.release_gpu_ids)
@@ -234,6 +236,14 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
         if self.remote is not None:
             self.remote.fill_meta(meta)  # after every allocation: the evicted blocks to write, if any
         return meta
+
+    def _refresh_cpu_copies(self, keys: list[bytes]) -> None:
+        """Make these keys' free CPU copies most recently used, the first listed least recent among them
+        (held copies stay: a transfer owns them). O(keys)."""
+        pool = self.cpu_pool
+        blocks = [b for b in map(pool.cached.get, keys) if b is not None and b.ref_cnt == 0]
+        pool.touch(blocks)
+        pool.free(blocks)
 
     def _emit_store(self, meta: TransferMetadata, gpu_ids: list[int], keys: list[bytes],
                     loaded: Sequence[LoadJob] = ()) -> StoreEvent | None:

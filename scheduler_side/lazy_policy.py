@@ -1,10 +1,14 @@
 """The lazy store policy (exclusive-leaning tier): store only what the GPU is about to evict.
 
 Only free, hashed GPU blocks within `lookahead` blocks of the GPU pool's eviction frontier that are not on
-the CPU yet (and not dead: see admission.py) are stored, so the GPU evicts only saved blocks. Saved GPU blocks return to their place in the
-GPU free queue (LRU order is kept), and CPU copies of blocks that were just loaded to the GPU, or that an
-admitted request hit on the GPU, are forgotten and go to the head of the CPU free queue (the GPU holds them
-now; the tiers stay mostly exclusive) while the CPU tier is under pressure (it evicted within the last
+the CPU yet (and not dead: see admission.py) are stored, so the GPU evicts only saved blocks. Saved GPU
+blocks return to their place in the GPU free queue (LRU order is kept). In a step that ran at most one
+request, the saved blocks within a deferred admission's span have their CPU copies made most recently used
+before the step's stores take CPU blocks (the admission drops them from the GPU next step: in an exclusive
+tier they are newer than anything on the CPU, and a copy the stores evicted would be lost then).
+CPU copies of blocks that were just loaded to the GPU, or that an admitted request hit on the GPU, are
+forgotten and go to the head of the CPU free queue (the GPU holds them now; the tiers stay mostly
+exclusive) while the CPU tier is under pressure (it evicted within the last
 `PRESSURE_STEPS` steps); without pressure they are kept.
 
 What the next step allocates, and who saves it: an admission's allocation is checked at its lookup against
@@ -194,6 +198,7 @@ class LazyStorePolicy(StorePolicy):
     def pick_stores(self) -> StorePicks:
         """Held blocks first, then unsaved free blocks from the eviction frontier, up to the lookahead (plus
         what deferred admissions need) and the CPU tier's free room."""
+        lone = self._num_scheduled <= 1  # (before the tick resets it)
         self._tick()
         view = self.view
         held, self._held = self._held, {}
@@ -212,7 +217,9 @@ class LazyStorePolicy(StorePolicy):
         pick_cost = 1.0 - self._p_inflight
         budget = float(self.lookahead + self._deficit + self._covered)
         self._demand = int(budget)
-        self._deficit = 0
+        # Deferred admissions' spans (the head of the frontier): where at most one request ran, what they
+        # allocate next step is exactly that; with more running, other allocations come first.
+        span, self._deficit = (self._deficit if lone else 0), 0
         room = view.cpu_num_free_blocks() - len(picks.gpu_ids)
         for gpu_id, key in view.gpu_eviction_candidates():
             if budget <= 0:
@@ -225,6 +232,8 @@ class LazyStorePolicy(StorePolicy):
                 room -= 1
                 budget -= pick_cost
             else:
+                if len(scanned) <= span and key is not None and is_saved(key) and not is_dead(key):
+                    picks.refresh_keys.append(key)  # the deferred admission evicts it next: keep its copy
                 budget -= 1
         self._scanned = scanned
         return picks

@@ -10,7 +10,8 @@ policy's own state and, where its docstring says so, the request's store cursor
    `on_blocks_allocated(n)` for every block the engine took from its free queue;
 3. metadata: `on_scheduled(state, num_computed_tokens)` per scheduled request; then `pick_stores()` once
    (it advances the policy's step clock) -> `StorePicks`; the scheduler emits the store event and drops
-   `picks.release_gpu_ids`; then `on_stores_emitted(event_id, stored_gpu_ids)`;
+   `picks.release_gpu_ids` (having first made `picks.refresh_keys`' CPU copies most recently used); then
+   `on_stores_emitted(event_id, stored_gpu_ids)`;
    Before emitting the store, `lends_load_slots()`: may this step's stores be written into the slots of
    blocks this step's loads read (their CPU copies forgotten now rather than when the load completes)?
 4. completions: `on_load_complete(job)` -> forget the job's CPU copies?; `on_store_complete(event_id)` ->
@@ -74,6 +75,9 @@ class StorePicks:
     gpu_ids: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)
     release_gpu_ids: list[int] = field(default_factory=list)  # drop after the store event took its references
+    # CPU copies of free GPU blocks near the eviction frontier, oldest first: made most recently used before
+    # this step's stores take CPU blocks, so those stores never evict a copy the GPU is about to drop
+    refresh_keys: list[bytes] = field(default_factory=list)
 
 
 class StorePolicy:

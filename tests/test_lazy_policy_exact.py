@@ -167,3 +167,33 @@ def test_a_deferred_lookup_keeps_its_cpu_hit_from_the_stores_that_save_its_span(
     del sched.policy.may_admit
     hit, _ = sched.get_num_new_matched_tokens(later, 0)
     assert hit == 16
+
+
+def cache_on_cpu(sched, keys: list[bytes]) -> None:
+    """Put `keys` in the CPU tier as completed stores do (most recently used last)."""
+    blocks = sched.cpu_pool.allocate(len(keys))
+    sched.cpu_pool.reserve(blocks, keys)
+    sched.cpu_pool.commit(blocks)
+    sched.cpu_pool.free(blocks)
+
+
+def test_a_deferrals_stores_never_evict_the_cpu_copies_of_the_blocks_its_admission_evicts():
+    """A's blocks are saved on the CPU (its least recently used copies) and sit free at the GPU's eviction
+    frontier, next to unsaved blocks C; an admission that would evict both is deferred. The store that saves
+    C must evict other copies (B's): evicting A's would lose A when the admission drops it from the GPU
+    next step (all 1,283 blocks one agentic replay lost one at a time were lost that way)."""
+    sched, gpu = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=9, store_policy="lazy", lazy_lookahead_blocks=1)
+    a, b, c = ([key(100 * g + i) for i in range(4)] for g in (1, 2, 3))
+    cache_on_cpu(sched, a)
+    cache_on_cpu(sched, b)  # the CPU tier is full; A's copies are the least recently used
+    blocks = gpu.allocate(8)
+    for block, k in zip(blocks, a + c, strict=True):
+        gpu.cache(block, k)
+    gpu.free(blocks)  # the GPU frontier: 3 empty blocks, then A, then C
+    request = FakeRequest("r", list(range(1000, 1044)), 4)  # 11 blocks: it evicts all of them
+    assert sched.get_num_new_matched_tokens(request, 0) == (None, False)
+    meta = sched.build_connector_meta([])
+    assert len(meta.store_gpu_blocks) == 4  # C's
+    assert all(sched.cpu_pool.lookup(k) is not None for k in a)
+    assert all(sched.cpu_pool.lookup(k) is None for k in b)
+    assert [blk.block_hash for blk in sched.cpu_pool.free_queue][-4:] == a  # A: most recently used, in order

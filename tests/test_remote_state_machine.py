@@ -59,6 +59,7 @@ class RemoteMachine(SchedulerMachine):
         self.reqs: dict[str, Running] = {}
         self.waiting: dict[str, FakeRequest] = {}  # looked up, answered None: asked again by `retry`
         self.sent_loads: list[str] = []
+        self.load_reads: dict[str, set[int]] = {}
         self.stores: dict[int, list[int]] = {}
         self.fetches: dict[int, list[int]] = {}  # fetch event -> its CPU blocks
         self.next_id = 0
@@ -84,6 +85,7 @@ class RemoteMachine(SchedulerMachine):
         self._admit(FakeRequest(rid, PREFIXES[prefix] + [7000 + self.next_id] * extra, BS), 0)
 
     def _record(self, meta):
+        self.check_store_targets(meta)
         self.sent_loads.extend(meta.load_event_reqs)
         if meta.store_event is not None:
             self.stores[meta.store_event] = list(meta.store_gpu_blocks)

@@ -66,8 +66,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             r.computed = min(r.req.num_tokens, r.computed + data.draw(st.integers(1, 9)))
             steps.append(StepRequest(rid, r.gpu_ids, r.computed, True))
         meta = self.sched.build_connector_meta(steps)
-        # A store never writes a CPU block an earlier step's load still reads; it writes one this step's load
-        # reads only with store_after_load (the workers then order it after that load).
+        self.check_store_targets(meta)
+        self.sent_loads.extend(meta.load_event_reqs)
+        if meta.store_event is not None:
+            self.stores[meta.store_event] = list(meta.store_gpu_blocks)
+            assert len(meta.store_gpu_blocks) == len(meta.store_cpu_blocks)
+
+    def check_store_targets(self, meta) -> None:
+        """A store never writes a CPU block an earlier step's load still reads; it writes one this step's load
+        reads only with store_after_load (the workers then order it after that load)."""
         written = set(meta.store_cpu_blocks)
         assert not any(written & reads for reads in self.load_reads.values())
         assert meta.store_after_load == bool(written & set(meta.load_cpu_blocks))
@@ -75,10 +82,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         for rid, n in zip(meta.load_event_reqs, meta.load_req_num_blocks, strict=True):
             self.load_reads[rid] = set(meta.load_cpu_blocks[start:start + n])
             start += n
-        self.sent_loads.extend(meta.load_event_reqs)
-        if meta.store_event is not None:
-            self.stores[meta.store_event] = list(meta.store_gpu_blocks)
-            assert len(meta.store_gpu_blocks) == len(meta.store_cpu_blocks)
 
     def every_rank(self, data, **fields) -> list:
         """One report per rank in a random order, with repeats from the same rank mixed in (ignored)."""
