@@ -121,6 +121,12 @@ class BlockPool:
             else:
                 self.free_queue.append_n(released)
 
+    def make_recent(self, blocks: Sequence[Block]) -> None:
+        """Move the free ones among `blocks` to the tail (most recently used), the first listed least recent
+        among them, keeping their content; held blocks stay where they are (a touch and a free each)."""
+        self.touch(blocks)
+        self.free(blocks)
+
     def discard(self, block: Block) -> bool:
         """Forget a free cached block's content and move it to the head of the free queue.
 

@@ -227,8 +227,8 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
             on_scheduled(state, num_computed_tokens)
 
         picks = self.policy.pick_stores()
-        if picks.refresh_keys:
-            self._refresh_cpu_copies(picks.refresh_keys)
+        if picks.refresh_keys:  # (a reserved key has no copy to move yet)
+            self.cpu_pool.make_recent([b for b in map(self.cpu_pool.cached.get, picks.refresh_keys) if b is not None])
         event = self._emit_store(meta, picks.gpu_ids, picks.keys, loaded) if picks.gpu_ids else None
         if picks.release_gpu_ids:  # blocks the policy held for this event (which took its own references)
             self.gpu_pool.free(picks.release_gpu_ids)
@@ -236,14 +236,6 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
         if self.remote is not None:
             self.remote.fill_meta(meta)  # after every allocation: the evicted blocks to write, if any
         return meta
-
-    def _refresh_cpu_copies(self, keys: list[bytes]) -> None:
-        """Make these keys' free CPU copies most recently used, the first listed least recent among them
-        (held copies stay: a transfer owns them). O(keys)."""
-        pool = self.cpu_pool
-        blocks = [b for b in map(pool.cached.get, keys) if b is not None and b.ref_cnt == 0]
-        pool.touch(blocks)
-        pool.free(blocks)
 
     def _emit_store(self, meta: TransferMetadata, gpu_ids: list[int], keys: list[bytes],
                     loaded: Sequence[LoadJob] = ()) -> StoreEvent | None:
@@ -276,9 +268,9 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
         pool, out = self.cpu_pool, []
         for job in loaded:
             for block in job.cpu_blocks:
-                if len(out) >= num:
+                if len(out) == num:
                     break
-                if block.ref_cnt == 1 and block.block_id not in job.lent:  # the job's reference alone
+                if block.ref_cnt == 1:  # the job's reference alone
                     pool.uncache(block)
                     job.lent.add(block.block_id)
                     out.append(block)

@@ -98,8 +98,7 @@ class Lookups:
             state.move_to(Phase.NEW)
             self.stats.num_deferred_lookups += 1
             if hits:  # the stores that save its span evict from the CPU's LRU end: not the hit it waits for
-                self.cpu_pool.touch(hits)
-                self.cpu_pool.free(hits)  # now the most recently used
+                self.cpu_pool.make_recent(hits)
             return None, False  # its allocation would evict GPU blocks not saved yet: ask again next step
         if not hits:
             state.move_to(Phase.LOOKED_UP)

@@ -15,6 +15,7 @@ import time
 import msgspec
 import pytest
 import torch
+from remote_helpers import reference_outputs
 from test_cudasim import caught, make_kv, sim_worker
 from test_worker_transfers import block_bytes, make_worker, next_report, store
 
@@ -117,11 +118,10 @@ def lazy_config(num_gpu_blocks: int = 14, num_cpu_blocks: int = 12, **overrides)
 def assert_outputs_unchanged(engine: FakeEngine, wl: Workload) -> None:
     """Every finished request's output equals a run without the connector (requests longer than the GPU
     pool are rejected: the others must all finish)."""
-    with FakeEngine(small_config(num_gpu_blocks=64), connector=False) as ref_engine:
-        run_workload(ref_engine, Workload(wl.requests))
+    reference = reference_outputs(wl)
     assert len(engine.outputs) + engine.stats.rejected_requests == len(wl.requests)
     for request_id, tokens in engine.outputs.items():
-        assert tokens == ref_engine.outputs[request_id], request_id
+        assert tokens == reference[request_id], request_id
 
 
 def test_lazy_stores_reuse_loaded_slots_and_every_read_is_right() -> None:

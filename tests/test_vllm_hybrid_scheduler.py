@@ -43,6 +43,12 @@ def key(sim: Sim, req_id: str, block: int, group: int) -> bytes:
     return with_group_id(bytes(sim.reqs[req_id].block_hashes[block]), group)
 
 
+def forget(sim: Sim, block: int, group: int) -> None:
+    """The CPU tier loses its copy of A's block `block` in `group`."""
+    pool = sim.connector.offload.cpu_pool
+    pool.uncache(pool.cached[key(sim, "A", block, group)])
+
+
 def load_pairs(sim: Sim) -> dict[int, bytes]:
     """GPU block id -> the cache key of the CPU block loaded into it, for the load issued this step."""
     meta = sim.last_meta.transfer
@@ -92,7 +98,7 @@ def test_a_window_block_outside_the_window_is_not_needed(mode: str) -> None:
     """The window group's block 0 lies outside the window of a 48-token prefix: losing it costs nothing."""
     sim, prefix = stored_prefix(mode)
     offload = sim.connector.offload
-    offload.cpu_pool.uncache(offload.cpu_pool.cached[with_group_id(bytes(sim.reqs["A"].block_hashes[0]), SWA)])
+    forget(sim, 0, SWA)
     sim.add("B", prefix + tokens(4, 16))
     sim.run_until_idle()
     assert (offload.stats.num_hit_tokens, offload.stats.num_loaded_blocks) == (48, 5)
@@ -104,7 +110,7 @@ def test_a_missing_window_block_shortens_the_hit_to_what_every_group_serves(mode
     and 1, full blocks 0 and 1) are: the hit is the longest prefix every group can serve."""
     sim, prefix = stored_prefix(mode)
     offload = sim.connector.offload
-    offload.cpu_pool.uncache(offload.cpu_pool.cached[with_group_id(bytes(sim.reqs["A"].block_hashes[2]), SWA)])
+    forget(sim, 2, SWA)
     sim.add("B", prefix + tokens(4, 16))
     sim.step()
     full, swa = sim.sched.kv_cache_manager.get_blocks("B").get_block_ids()
@@ -119,7 +125,7 @@ def test_a_missing_window_block_shortens_the_hit_to_what_every_group_serves(mode
 def test_a_missing_full_attention_block_ends_the_hit(mode: str) -> None:
     sim, prefix = stored_prefix(mode)
     offload = sim.connector.offload
-    offload.cpu_pool.uncache(offload.cpu_pool.cached[with_group_id(bytes(sim.reqs["A"].block_hashes[1]), FULL)])
+    forget(sim, 1, FULL)
     sim.add("B", prefix + tokens(4, 16))
     sim.run_until_idle()
     assert (offload.stats.num_hit_tokens, offload.stats.num_loaded_blocks) == (16, 2)  # block 0 of each group
