@@ -42,6 +42,7 @@ _DOCS = {
     "num_reused_load_slots": "stores written into the CPU slots of blocks their step's load had just read",
     "num_load_timeouts": "loads given up on after transfer.load_timeout_s (their requests recomputed)",
     "num_quarantined_blocks": "blocks of given-up loads kept out of use until their copy ended",
+    "num_load_waits": "lookups that waited a step for another request's load of their first CPU block",
     "num_store_wait_timeouts": "lookups that stopped waiting for a block still being stored and computed it",
     "num_cpu_evictions": "CPU-tier blocks evicted (LRU or ARC)",
     "num_dropped_blocks": "CPU-tier copies dropped as a superseded branch (branch_filter)",

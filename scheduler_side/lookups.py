@@ -93,6 +93,8 @@ class Lookups:
                         return None, False  # ask again once the remote tier answered
                 break
             hits.append(block)
+        if hits and hits[0].ref_cnt and self._asks_again_for_load(state):
+            return None, False  # another request is loading its first CPU block: the GPU will have it
         if not self.policy.may_admit(state, len(hits)):
             state.num_deferrals += 1
             state.move_to(Phase.NEW)
@@ -116,6 +118,17 @@ class Lookups:
             state.move_to(Phase.NEW)
             return True
         self.stats.num_store_wait_timeouts += 1
+        return False
+
+    def _asks_again_for_load(self, state: RequestState) -> bool:
+        """The hit's first block is held: another request's load reads it (or will, this step: a pending
+        hit). Once that load is done the engine's GPU prefix cache has it, so ask again next step (True)
+        rather than load the same blocks twice; at most `max_store_wait_steps` times per request."""
+        if state.num_load_waits < self.config.max_store_wait_steps:
+            state.num_load_waits += 1
+            state.move_to(Phase.NEW)
+            self.stats.num_load_waits += 1
+            return True
         return False
 
     def _note_misses(self, hashes: Sequence[bytes], first: int, last: int) -> None:

@@ -118,6 +118,7 @@ class RequestState:
     load: LoadJob | None = None  # at most one load job in flight
     num_deferrals: int = 0  # lookups the store policy deferred to the next step (lazy: at most 4 in a row)
     num_store_waits: int = 0  # lookups answered "ask again" for a block being stored (bounded by config)
+    num_load_waits: int = 0  # lookups answered "ask again" for another request's load of its first CPU block
     remote: RemoteWait | None = None  # the remote tier's one lookup for this request (none without the tier)
     num_admitted_keys: int = 0  # block keys the admission filter has seen of this request (a cursor)
     hints: RequestHints | None = None  # its kv_transfer_params hints, read at its first admission

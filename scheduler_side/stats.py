@@ -23,6 +23,7 @@ class SchedulerStats:
     num_failed_load_blocks: int = 0
     num_load_timeouts: int = 0  # load events a rank gave up on after transfer.load_timeout_s (recomputed)
     num_quarantined_blocks: int = 0  # blocks of expired loads kept out of use until their copy ended
+    num_load_waits: int = 0  # lookups that waited a step for another request's load of their first CPU block
     num_store_wait_timeouts: int = 0  # lookups that stopped waiting for a block's store (max_store_wait_steps)
     num_cpu_evictions: int = 0
     num_dropped_blocks: int = 0  # CPU copies dropped because the admission filter killed their key

@@ -54,7 +54,8 @@ def test_discard_leaves_a_held_block_and_its_content_alone():
 
 # ---- reset_cache -------------------------------------------------------------------------------------------
 def test_reset_cache_forgets_everything_stored_or_being_stored():
-    sched, gpu = make_scheduler(num_gpu_blocks=40, num_cpu_blocks=20, block_size=BS)
+    # max_store_wait_steps 0: C loads the blocks B's pending hit pins instead of waiting for that load
+    sched, gpu = make_scheduler(num_gpu_blocks=40, num_cpu_blocks=20, block_size=BS, max_store_wait_steps=0)
     prefix = list(range(9))  # 2 full blocks
     store_prefix(sched, gpu, "A", prefix)
     # 1. B holds a pending hit on A's blocks; C's load from them is in flight; D's store is in flight
@@ -392,7 +393,8 @@ def test_arc_files_a_committed_store_of_a_recently_reused_key_as_reused():
 def test_events_are_numbered_consecutively_and_counted_over_steps():
     """Store events are numbered 0, 1, 2, ... (a completion above the last one is refused as never issued);
     load events likewise; the counters add up over steps."""
-    sched, gpu = make_scheduler(num_cpu_blocks=3, block_size=BS)  # room for two blocks
+    # room for two blocks; max_store_wait_steps 0: two requests of a step both load (neither waits)
+    sched, gpu = make_scheduler(num_cpu_blocks=3, block_size=BS, max_store_wait_steps=0)
     store_ids, load_ids = [], []
     for n in range(3):  # each story stores 2 blocks, evicting the previous story's two from step 2 on
         req = FakeRequest(f"S{n}", [100 * n + t for t in range(9)], BS)
