@@ -48,7 +48,7 @@ def check_groups_supported(config: OffloadConfig, groups: tuple[KVGroup, ...]) -
 
 class HybridGroups:
     """The several-groups half of `OffloadScheduler` (which defines these attributes; `_asks_again_for_store`
-    is `Lookups`')."""
+    and `_asks_again_for_load` are `Lookups`')."""
 
     config: OffloadConfig
     block_size: int
@@ -79,6 +79,8 @@ class HybridGroups:
                     break
         found = [[hashes[i] + group_suffix(g.group_id) in cached for i in range(first, end)] for g in self.groups]
         hit_end = hybrid_hit_end(self.groups, found, first, end, bs)
+        if hit_end > first and self._first_block_loading(hashes[first]) and self._asks_again_for_load(state):
+            return None, False  # another request is loading the hit's first block (lookups.py)
         if not self.policy.may_admit(state, hit_end - first):
             state.num_deferrals += 1
             state.move_to(Phase.NEW)
@@ -98,6 +100,12 @@ class HybridGroups:
         state.pending_hit = PendingHit(blocks, num_computed_tokens, slots)
         state.move_to(Phase.PENDING_HIT)
         return (hit_end - first) * bs, True
+
+    def _first_block_loading(self, block_hash: bytes) -> bool:
+        """Some group's CPU copy of the hit's first block is held: another request's load reads it."""
+        cached = self.cpu_pool.cached
+        return any((block := cached.get(block_hash + group_suffix(g.group_id))) is not None and block.ref_cnt > 0
+                   for g in self.groups)
 
     def _group_load(self, state: RequestState, hit: PendingHit, group_block_ids: Sequence[Sequence[int]],
                     n: int) -> tuple[list[int], list[Block], list[Block]]:

@@ -95,3 +95,29 @@ def test_one_at_a_time_the_next_turn_hits_on_the_gpu_what_the_previous_loaded(wa
         else:
             assert (c.num_gpu_hit_tokens, c.num_cpu_hit_tokens) == (0, 40)
         assert engine.connector.stats.num_loaded_blocks == (10 if wait else 20)
+
+
+def test_with_several_kv_cache_groups_too():
+    """A hybrid model (a full-attention and a sliding-window group): the same wait, on either group's copy."""
+    from offload_connector.config import load_config
+    from offload_connector.metadata import WorkerReport
+    from scheduler_side import OffloadScheduler, StepRequest
+    from scheduler_side.block_pool import BlockPool
+    from scheduler_side.groups import KVGroup
+    from scheduler_side.interfaces import BlockPoolGpuView
+
+    groups = (KVGroup(0), KVGroup(1, window=8))
+    gpu = BlockPool(64)
+    sched = OffloadScheduler(load_config({"num_cpu_blocks": 64}), BS, 64, BlockPoolGpuView(gpu), groups=groups)
+    a = FakeRequest("A", list(range(17)), BS)  # 4 full blocks
+    assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    ids = [[b.block_id for b in gpu.allocate(5)] for _ in groups]
+    sched.update_state_after_alloc(a, ids, 0)
+    meta = sched.build_connector_meta([StepRequest("A", ids, 17, True)])
+    sched.update_connector_output(WorkerReport(completed_store_events=[meta.store_event]))
+    sched.request_finished(a)
+    b, c = FakeRequest("B", list(range(17)), BS), FakeRequest("C", list(range(17)), BS)
+    hit, is_async = sched.get_num_new_matched_tokens(b, 0)
+    assert (hit, is_async) == (16, True)
+    assert sched.get_num_new_matched_tokens(c, 0) == (None, False)  # B's pending hit pins the first block
+    assert sched.stats.num_load_waits == 1
