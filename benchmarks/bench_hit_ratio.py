@@ -14,8 +14,11 @@ GPU + CPU blocks; hit ratio in prompt tokens as the engine counts it: full block
 capped to leave one prompt token to compute):
 - `min`: Belady's MIN with bypass (evict, or do not admit, the block used furthest in the future; exact for
   prefix hits, since a block's prefix is always used before it);
-- `lru`: one LRU cache (the trace README's exclusive reference).
+- `lru`: one LRU cache (the trace README's exclusive reference);
+- `lru_close` (traces with sessions): the session close in the model of the study that proposed it, two
+  exclusive LRU tiers of GPU and CPU blocks (`lru_close_reference`).
 `gap closed` = (replay - ceiling) / (min - ceiling) with the ceiling of the same concurrency;
+`lru gap closed` = (replay - lru) / (min - lru);
 `vs ceiling` = replay / ceiling.
 
     nice python benchmarks/bench_hit_ratio.py [--traces synthetic,agentic] [--jobs 2] [--json]
