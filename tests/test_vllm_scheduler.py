@@ -189,3 +189,27 @@ def test_remote_tier_blocks_become_block_stored_events_with_medium_remote() -> N
     [event] = to_vllm_events([KVEvent("stored", with_group_id(block_hash, 1), "REMOTE")], BS)
     assert type(event).__name__ == "BlockStored" and event.medium == "REMOTE"
     assert event.block_hashes == [maybe_convert_block_hash(block_hash)] and event.group_idx == 1
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 4])
+def test_a_request_waits_for_anothers_load_of_its_prefix_then_hits_it_on_the_gpu(mode: str,
+                                                                                  max_num_seqs: int) -> None:
+    """B's CPU hit is being loaded when D, with the same prefix and more, is looked up: vLLM's scheduler
+    looks D up meanwhile (a request waiting for its load does not count as running). D waits for that load
+    (`num_load_waits`) instead of loading the prefix a second time, then vLLM's own prefix cache hits it."""
+    sim = Sim(mode=mode, num_gpu_blocks=12, max_num_seqs=max_num_seqs)
+    prefix = tokens(1, 48)
+    sim.add("A", prefix + tokens(2, 16))
+    sim.run_until_idle()
+    sim.add("C", tokens(3, 176))  # 11 blocks: evicts A's cached blocks from the GPU
+    sim.run_until_idle()
+    sim.add("B", prefix + tokens(4, 16))
+    sim.add("D", prefix + tokens(4, 16) + tokens(5, 16))
+    start = len(sim.scheduled)
+    sim.run_until_idle()
+    stats = sim.connector.offload.stats
+    assert stats.num_loaded_blocks == 3  # the prefix, once (for B)
+    assert stats.num_load_waits >= 1 and stats.num_hit_tokens == 48
+    first_d = next(step["D"] for step in sim.scheduled[start:] if "D" in step)
+    assert first_d <= 32  # D computed at most its own 2 blocks: the prefix was a GPU hit
+    sim.assert_no_leaks()
