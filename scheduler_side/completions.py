@@ -135,10 +135,14 @@ class Completions:
 
     def _release_load(self, job: LoadJob) -> None:
         """A completed load's references go back: the GPU ones it holds, and its CPU blocks (forgotten when
-        the GPU holds their content under the policy's rule)."""
+        the GPU holds their content under the policy's rule). If the request finished while loading, the
+        engine never caches those GPU blocks (they go back unhashed): the CPU copies are all that is left
+        of that content, so they are kept, in their place."""
+        cpu_pool = self.cpu_pool
         if job.holds_gpu:  # the request finished while loading (request_finished took these references)
             self.gpu_pool.free(job.gpu_block_ids)
-        cpu_pool = self.cpu_pool
+            cpu_pool.free(job.cpu_blocks)
+            return
         if self.policy.on_load_complete(job):  # the GPU holds the content now: forget the CPU copies
             for block in job.cpu_blocks:  # those with only the load's own reference, dropped right below (a
                 if block.ref_cnt == 1 and block.block_id not in job.lent:  # lent slot holds a store's now)

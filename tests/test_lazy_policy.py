@@ -72,6 +72,24 @@ def test_lazy_loaded_cpu_copy_gives_way_under_pressure(pressure):
     sched.check_integrity()
 
 
+def test_a_load_whose_request_finished_meanwhile_keeps_its_cpu_copies():
+    """The engine never caches the GPU blocks of a request that finished (was aborted) while loading, so
+    under pressure too the CPU copies stay: they are all that is left of that content."""
+    sched, gpu = lazy_with_a_stored_prefix(pressure=True)
+    b = FakeRequest("B", list(range(9)), BS)
+    hit, _, ids = admit(sched, gpu, b)
+    assert hit == 8
+    meta = sched.build_connector_meta([])
+    assert sched.request_finished(b) == (False, None)  # aborted while its load is in flight
+    gpu.free([gpu.blocks[i] for i in reversed(ids)])
+    sched.update_connector_output(report(finished_load_reqs=["B"]))
+    assert sorted(b.block_id for b in sched.cpu_pool.cached.values()) == sorted(meta.load_cpu_blocks)
+    c = FakeRequest("C", list(range(9)), BS)
+    assert sched.get_num_new_matched_tokens(c, 0) == (8, True)
+    sched.request_finished(c)
+    sched.check_integrity()
+
+
 @pytest.mark.parametrize("pressure", [True, False])
 def test_lazy_gpu_hit_discards_the_cpu_copy_under_pressure(pressure):
     sched, gpu = lazy_with_a_stored_prefix(pressure)
