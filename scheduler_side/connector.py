@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 
 from offload_connector.config import OffloadConfig
 from offload_connector.hashing import group_suffix
@@ -266,14 +267,11 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
         if not self.policy.lends_load_slots():
             return []
         pool, out = self.cpu_pool, []
-        for job in loaded:
-            for block in job.cpu_blocks:
-                if len(out) == num:
-                    break
-                if block.ref_cnt == 1:  # the job's reference alone
-                    pool.uncache(block)
-                    job.lent.add(block.block_id)
-                    out.append(block)
+        alone = ((job, block) for job in loaded for block in job.cpu_blocks if block.ref_cnt == 1)  # the job's ref
+        for job, block in islice(alone, num):
+            pool.uncache(block)
+            job.lent.add(block.block_id)
+            out.append(block)
         pool.touch(out)
         self.stats.num_reused_load_slots += len(out)
         return out

@@ -55,7 +55,11 @@ class LazyStorePolicy(StorePolicy):
         self._held: dict[bytes, int] = {}  # key -> GPU block held for the next store event
         self._last_event_id: int | None = None  # our most recent store event
         self._steps = 0  # pick_stores calls (engine steps)
-        self._cpu_filled = False  # the CPU pool has evicted a block (seen at a step): under pressure from then
+        # The CPU tier has evicted a block (seen at a step's tick): from then on space spent on copies of blocks
+        # the GPU holds costs hits; until it fills such copies are kept (a free second chance). A window of 64
+        # steps after each eviction lost 0.2 points one request at a time on the agentic trace: its quiet
+        # spells (a session's turns all GPU hits) kept copies that then cost room.
+        self._cpu_under_pressure = False
         self._deficit = 0  # blocks that admissions deferred this step need saved by its store event
         self._p_inflight = 0.0  # how often a store event outlasted the next step's allocations (EMA)
         self._admit_alloc = 0  # blocks this step's largest admission took
@@ -76,14 +80,6 @@ class LazyStorePolicy(StorePolicy):
             return fixed
         return max(16, self.view.max_blocks_per_step or 0,
                    int(LOOKAHEAD_FACTOR * (self._peak_alloc + self._admit_mean)))
-
-    @property
-    def _cpu_under_pressure(self) -> bool:
-        """The CPU tier has evicted a block (seen at a step's tick): from then on space spent on copies of
-        blocks the GPU holds costs hits. Until it fills, such copies are kept (a free second chance). A
-        window after each eviction (64 steps, before) lost 0.2 points one request at a time on the agentic
-        trace: its quiet spells (a session's turns all GPU hits) kept copies that then cost room."""
-        return self._cpu_filled
 
     def on_allocated(self, state: RequestState, num_gpu_hit_blocks: int) -> list[bytes]:
         """The request now holds its GPU-hit blocks: under CPU pressure their CPU copies give way. (Not at
@@ -179,8 +175,8 @@ class LazyStorePolicy(StorePolicy):
         chunks the last store saved ahead, nor the admission of a step that ran at most one request: that
         goes into a mean), how long store events last."""
         self._steps += 1
-        if not self._cpu_filled:
-            self._cpu_filled = self.view.cpu_num_evictions() > 0
+        if not self._cpu_under_pressure:
+            self._cpu_under_pressure = self.view.cpu_num_evictions() > 0
         alone = self._admit_alloc if self._num_scheduled <= 1 else 0
         self._num_scheduled = 0
         uncovered = max(0, self._step_alloc - alone - self._covered)
