@@ -228,15 +228,19 @@ def run_points(points: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
     return results
 
 
+def gap_closed(value: float, base: float, best: float) -> float:
+    """The share of the gap from `base` to `best` that `value` closes (0 when there is no gap)."""
+    return (value - base) / (best - base) if best > base else 0.0
+
+
 def summarize(results: list[dict[str, Any]], refs: dict[str, dict[str, float]]) -> None:
     """Add `vs_ceiling` and `gap_closed` to each result (against the ceiling of its own concurrency)."""
     ceiling = {(r["trace"], r["max_num_seqs"]): r["hit_ratio"] for r in results if r["series"] == "ceiling"}
     for r in results:
         base, best = ceiling[(r["trace"], r["max_num_seqs"])], refs[r["trace"]]["min"]
         r["vs_ceiling"] = r["hit_ratio"] / base
-        r["gap_closed"] = (r["hit_ratio"] - base) / (best - base) if best > base else 0.0
-        lru = refs[r["trace"]]["lru"]
-        r["lru_gap_closed"] = (r["hit_ratio"] - lru) / (best - lru) if best > lru else 0.0
+        r["gap_closed"] = gap_closed(r["hit_ratio"], base, best)
+        r["lru_gap_closed"] = gap_closed(r["hit_ratio"], refs[r["trace"]]["lru"], best)
 
 
 def format_table(out: dict[str, Any]) -> str:
@@ -246,7 +250,7 @@ def format_table(out: dict[str, Any]) -> str:
                      f"{ref['distinct_blocks']:,} distinct), scaled; one at a time: MIN {ref['min']:.2%}, "
                      f"LRU {ref['lru']:.2%} (references over the block stream)"
                      + (f"; LRU + session close (two exclusive tiers) {ref['lru_close']:.2%}, "
-                        f"{(ref['lru_close'] - ref['lru']) / (ref['min'] - ref['lru']):+.1%} of the LRU->MIN gap"
+                        f"{gap_closed(ref['lru_close'], ref['lru'], ref['min']):+.1%} of the LRU->MIN gap"
                         if "lru_close" in ref else ""))
         lines.append(f"  {'series':<18} | {'one at a time':>13} {'vs ceil':>7} {'gap':>7} {'LRU gap':>7} | "
                      f"{'64 at once':>10} {'vs ceil':>7} {'gap':>7} {'LRU gap':>7}")
