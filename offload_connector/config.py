@@ -45,6 +45,14 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A load not done this many seconds after it was issued is reported failed (its request recomputes);
     # its blocks stay quarantined until the copy ends (worker.py, completions.py). None: wait forever.
     load_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] | None = 30.0
+    # CUDA only: which copies the block-copy kernel may take instead of DMA (worker_side/kernel_policy.py).
+    # Defaults are vLLM's H100 measurements until our own GPU figures replace them; `calibrate` measures
+    # kernel against DMA on the device at start-up and picks the thresholds per device instead.
+    kernel_directions: tuple[str, ...] = ("load",)  # each 'load' or 'store', at most once; () = DMA only
+    kernel_max_segment_bytes: int | str = 28 << 10  # size; the job's segments average at most this; 0: never
+    kernel_min_segments: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 16
+    kernel_max_sms: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 12  # the kernel's grid: this many thread blocks
+    calibrate: bool = True
 
 
 class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -188,6 +196,16 @@ def _translate(err: msgspec.ValidationError, data: Mapping[str, Any]) -> ConfigE
 
 def _validate(cfg: OffloadConfig) -> OffloadConfig:
     cfg.cpu_bytes = parse_size("cpu_bytes", cfg.cpu_bytes)
+    t = cfg.transfer
+    if not set(t.kernel_directions) <= {"load", "store"} or len(set(t.kernel_directions)) != len(t.kernel_directions):
+        raise ConfigError("transfer.kernel_directions", list(t.kernel_directions),
+                          "a list of distinct directions out of 'load', 'store', or [] (DMA only)")
+    if t.kernel_max_segment_bytes not in (0, "0"):
+        try:
+            t.kernel_max_segment_bytes = parse_size("transfer.kernel_max_segment_bytes", t.kernel_max_segment_bytes)
+        except ConfigError as exc:
+            raise ConfigError(exc.key, exc.value, exc.allowed + ", or 0 (kernel off)") from None
+    t.kernel_max_segment_bytes = int(t.kernel_max_segment_bytes)
     if cfg.engine.sliding_window is not None:  # the fake engine's hybrid mode (two KV-cache groups)
         if cfg.engine.num_layers < 2:
             raise ConfigError("engine.num_layers", cfg.engine.num_layers, ">= 2 with engine.sliding_window",

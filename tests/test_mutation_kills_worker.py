@@ -63,8 +63,8 @@ def test_backend_names_without_cuda():
 
 
 class RecordingCudaBackend:
-    def __init__(self, num_streams: int) -> None:
-        self.num_streams = num_streams
+    def __init__(self, num_streams: int, **options) -> None:
+        self.num_streams, self.options = num_streams, options
 
 
 def test_backend_names_and_construction_with_cuda(monkeypatch):
@@ -78,6 +78,13 @@ def test_backend_names_and_construction_with_cuda(monkeypatch):
     for requested in ("auto", "cuda"):
         backend = backend_select.make_backend(load_config({"transfer": {"backend": requested, "num_streams": 3}}))
         assert isinstance(backend, RecordingCudaBackend) and backend.num_streams == 3
+        assert backend.options == {"kernel_directions": ("load",), "kernel_max_segment_bytes": 28 << 10,
+                                   "kernel_min_segments": 16, "kernel_max_sms": 12, "calibrate": True}
+    transfer = {"backend": "cuda", "kernel_directions": ["store", "load"], "kernel_max_segment_bytes": "1MiB",
+                "kernel_min_segments": 2, "kernel_max_sms": 4, "calibrate": False}
+    backend = backend_select.make_backend(load_config({"transfer": transfer}))
+    assert backend.options == {"kernel_directions": ("store", "load"), "kernel_max_segment_bytes": 1 << 20,
+                               "kernel_min_segments": 2, "kernel_max_sms": 4, "calibrate": False}
     backend = backend_select.make_backend(load_config({"transfer": {"backend": "cpu", "num_streams": 3}}))
     assert isinstance(backend, CpuBackend) and backend.num_threads == 3
     backend.shutdown()

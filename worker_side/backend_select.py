@@ -25,5 +25,9 @@ def make_backend(config: OffloadConfig) -> TransferBackend:
     if name == "cuda":
         from worker_side.cuda_backend import CudaBackend
 
-        return CudaBackend(num_streams=config.transfer.num_streams)
+        t = config.transfer
+        return CudaBackend(num_streams=t.num_streams, kernel_directions=t.kernel_directions,
+                           kernel_max_segment_bytes=int(t.kernel_max_segment_bytes),
+                           kernel_min_segments=t.kernel_min_segments, kernel_max_sms=t.kernel_max_sms,
+                           calibrate=t.calibrate)
     return CpuBackend(num_threads=config.transfer.num_streams)

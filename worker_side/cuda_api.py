@@ -22,14 +22,27 @@ Semantics every implementation follows (CUDA's own):
   `(src_ids[i], dst_ids[i])` and every plane `p` of a `(num_planes, 5)` int64 table of rows
   `(src_base, dst_base, src_stride, dst_stride, chunk_bytes)` it copies `chunk_bytes` from
   `src_base + src_id * src_stride` to `dst_base + dst_id * dst_stride`. The plane table and the ids (`src_ids`
-  then `dst_ids`, `num_blocks` each) live in registered host memory and are read when the kernel runs.
+  then `dst_ids`, `num_blocks` each) live in registered host memory and are read when the kernel runs. Its
+  grid is capped by the runtime (a few SMs' worth of thread blocks, `kernel_max_sms`), so a copy that
+  overlaps the forward never competes with it for every SM. A launch that raises enqueued nothing.
+- `device_of` is a driver call: it runs in the current device's context (creating it if none is current),
+  so callers make the right device current first; `tensor_device` reads the framework's metadata only.
+- `can_use_host_pointer(d)` is CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: where it is 0 a
+  kernel cannot read registered host memory at its host address, and the kernel must not be launched.
+- `supports_kernel` may compile the kernel (for the current device); `kernel_error` says in one line why it
+  is False (cupy, NVRTC or the CUDA headers missing, cupy built for another CUDA major than torch).
+- Timing: `create_event(timing=True)`, then `elapsed_s(start, end)` once both completed.
+- `close()` releases what the runtime itself holds (retained primary contexts); call it once, at shutdown.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 Stream = Any  # opaque, owned by the runtime
 Event = Any
@@ -49,14 +62,27 @@ class CudaRuntime(Protocol):
     def set_device(self, device: int) -> None: ...
     def device_of(self, ptr: int, nbytes: int) -> int | None:
         """The device whose memory holds [ptr, ptr + nbytes), or None for host memory."""
+    def tensor_device(self, tensor: torch.Tensor) -> int | None:
+        """The CUDA device holding `tensor` per the framework (no driver call), or None for host memory."""
     def numa_node(self, device: int) -> int | None:
         """The host NUMA node closest to `device`, or None where the system does not say."""
+    def num_sms(self, device: int) -> int:
+        """Streaming multiprocessors of `device`."""
+    def can_use_host_pointer(self, device: int) -> bool:
+        """CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM of `device`."""
+    @property
+    def kernel_error(self) -> str | None:
+        """Why `supports_kernel` is False, in one line; None when it is True."""
+    def close(self) -> None:
+        """Release what the runtime holds (retained contexts); the runtime is not used afterwards."""
 
     # ---- streams and events (current device) -----------------------------------------------------------
     def compute_stream(self) -> Stream:
         """The engine's current stream on the current device (where the forward runs)."""
     def create_stream(self, low_priority: bool) -> Stream: ...
-    def create_event(self) -> Event: ...
+    def create_event(self, timing: bool = False) -> Event: ...
+    def elapsed_s(self, start: Event, end: Event) -> float:
+        """Seconds between two completed timing events (`create_event(timing=True)`)."""
     def record_event(self, event: Event, stream: Stream) -> None: ...
     def wait_event(self, stream: Stream, event: Event) -> None: ...
     def query_event(self, event: Event) -> bool: ...

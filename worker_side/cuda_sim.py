@@ -16,8 +16,19 @@ into something a test sees:
   side is not inside one registration made on the stream's device, or whose device side is not memory of
   the stream's device, is a *fault*: recorded in `faults` (tests assert it stays empty) and raised as
   `CudaError` where CUDA would refuse the call; `memcpy(pageable=True)` may use unregistered memory.
+- `device_of` is a driver call (it needs a context, so it counts as touching the current device);
+  `tensor_device` is framework metadata (torch's `tensor.device`) and touches nothing.
+- A device-to-host `memcpy(pageable=True)` blocks the calling thread until the copy ran (CUDA's rule for
+  pageable destinations), so it waits for everything queued before it on its stream; `host_blocked` lists
+  (thread id, call) for every call that made a thread wait that way.
 - `fail_register` / `max_register_bytes` make `host_register` fail (pinning fallback, chunking);
-  `supports_batch` / `supports_kernel` switch the batched copy and the kernel off (fallback paths).
+  `supports_batch` / `supports_kernel` switch the batched copy and the kernel off (fallback paths);
+  `host_pointer_for_registered_mem=False` is a device whose kernels cannot read registered host memory
+  through its host address (a kernel launched there anyway is a fault); `fail_kernel_launches` makes the
+  next N launches fail as a driver would (nothing enqueued). `num_sms` and `kernel_max_sms` give the grid
+  cap; `kernel_grids` lists the grid of every launch.
+- Time is simulated (`timing`, sim_timing.SimTiming): each copy or kernel advances its stream's clock, and
+  timing events (`create_event(timing=True)`, `elapsed_s`) read it, deterministically.
 `calls` counts API calls by name; `self_time` is the time spent inside this simulator's calls, so a
 benchmark can subtract it and keep only the backend's own host time.
 """
@@ -37,8 +48,9 @@ from worker_side.copy_plan import Segments
 from worker_side.cpu_backend import run_segments
 from worker_side.cuda_api import CudaError
 from worker_side.sim_streams import SCHEDULES, SimEvent, SimStream, SimWork, StreamScheduler
+from worker_side.sim_timing import SimTiming
 
-__all__ = ["SCHEDULES", "SimCompute", "SimCudaRuntime"]
+__all__ = ["SCHEDULES", "SimCompute", "SimCudaRuntime", "SimTiming"]
 
 PAGE = 4096
 
@@ -49,12 +61,20 @@ class SimCudaRuntime:
     def __init__(self, num_devices: int = 1, schedule: str = "random", seed: int = 0, burst: int = 3,
                  supports_batch: bool = True, supports_kernel: bool = True, fail_register: bool = False,
                  max_register_bytes: int | None = None, numa_nodes: dict[int, int] | None = None,
-                 copy_bytes: bool = True) -> None:
+                 copy_bytes: bool = True, num_sms: int = 132, kernel_max_sms: int = 12,
+                 host_pointer_for_registered_mem: bool = True, fail_kernel_launches: int = 0,
+                 timing: SimTiming | None = None) -> None:
         self._queues = StreamScheduler(schedule, seed, burst)
         self.num_devices, self.schedule = num_devices, schedule
         self.supports_batch, self.supports_kernel = supports_batch, supports_kernel
         self.fail_register, self.max_register_bytes = fail_register, max_register_bytes
         self.numa_nodes = dict(numa_nodes or {})
+        self.sms, self.kernel_max_sms = num_sms, kernel_max_sms
+        self.host_pointer_for_registered_mem = host_pointer_for_registered_mem
+        self.fail_kernel_launches = fail_kernel_launches  # the next N launches fail, enqueuing nothing
+        self.timing = timing if timing is not None else SimTiming()
+        self.kernel_grids: list[int] = []  # thread blocks of each launch
+        self.host_blocked: list[tuple[int, str]] = []  # (thread id, call) of calls that waited for the device
         # False (submission benchmarks): calls are still checked, but queued work moves no bytes and the kernel
         # does not expand its block ids (that would evict the caches the next timed submission runs on)
         self.copy_bytes = copy_bytes
@@ -106,14 +126,35 @@ class SimCudaRuntime:
             self._device_memory.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), device, t))
         return t
 
-    def device_of(self, ptr: int, nbytes: int) -> int | None:
+    def _owner(self, ptr: int, nbytes: int) -> int | None:
         for start, end, device, _ in self._device_memory:
             if start <= ptr and ptr + nbytes <= end:
                 return device
         return None
 
+    def device_of(self, ptr: int, nbytes: int) -> int | None:
+        with self._lock:
+            self._enter("device_of")  # a driver call: it runs in (and may create) the current device's context
+            return self._owner(ptr, nbytes)
+
+    def tensor_device(self, tensor: torch.Tensor) -> int | None:
+        return self._owner(tensor.data_ptr(), 1)  # framework metadata: no driver call
+
     def numa_node(self, device: int) -> int | None:
         return self.numa_nodes.get(device)
+
+    def num_sms(self, device: int) -> int:
+        return self.sms
+
+    def can_use_host_pointer(self, device: int) -> bool:
+        return self.host_pointer_for_registered_mem
+
+    @property
+    def kernel_error(self) -> str | None:
+        return None if self.supports_kernel else "switched off on the simulated device (supports_kernel=False)"
+
+    def close(self) -> None:
+        self.calls["close"] += 1
 
     # ---- streams and events --------------------------------------------------------------------------
     def compute_stream(self) -> SimStream:
@@ -127,14 +168,26 @@ class SimCudaRuntime:
             self._queues.streams.append(s)
             return s
 
-    def create_event(self) -> SimEvent:
+    def create_event(self, timing: bool = False) -> SimEvent:
         with self._lock:
-            return SimEvent(self._enter("create_event"))
+            return SimEvent(self._enter("create_event"), timing)
 
     def record_event(self, event: SimEvent, stream: SimStream) -> None:
         with self._lock:
             self._same_device("record_event", self._enter("record_event"), event, stream)
-            event.target = (stream, stream.enqueued)
+            event.record(stream)
+
+    def elapsed_s(self, start: SimEvent, end: SimEvent) -> float:
+        with self._lock:
+            self._enter("elapsed_s")
+            for e in (start, end):
+                if not e.timing:
+                    raise CudaError("cuEventElapsedTime: an event created without timing "
+                                    "(CUDA_ERROR_INVALID_HANDLE)")
+                if e.time is None:
+                    raise CudaError("cuEventElapsedTime: an event not recorded or not complete "
+                                    "(CUDA_ERROR_NOT_READY)")
+            return end.time - start.time  # type: ignore[operator]
 
     def wait_event(self, stream: SimStream, event: SimEvent) -> None:
         with self._lock:
@@ -227,7 +280,13 @@ class SimCudaRuntime:
             fault = self._check_copies(op, device, segs, pageable)
             if fault is not None:
                 raise CudaError(fault)
-            self._queues.push(stream, SimWork("copy", run=lambda: self._move(segs)))
+            seconds = self.timing.dma_seconds(len(segs), segs.total_bytes)
+            self._queues.push(stream, SimWork("copy", run=lambda: self._move(segs), seconds=seconds))
+            if pageable and not self._device_ok(segs.dst, segs.nbytes, device).any():
+                # device -> pageable host: the call returns only once the copy ran, after all before it
+                position = stream.enqueued
+                self.host_blocked.append((threading.get_ident(), f"{op} device->pageable host"))
+                self._queues.run_until(lambda: stream.completed >= position, f"{op} (pageable destination)")
         self.self_time += time.perf_counter() - t0
 
     def _move(self, segs: Segments) -> None:
@@ -247,8 +306,19 @@ class SimCudaRuntime:
             self._same_device("launch_block_copy", device, stream)
             if not self.supports_kernel:
                 raise CudaError("block-copy kernel: not available (simulated)")
+            if self.fail_kernel_launches > 0:
+                self.fail_kernel_launches -= 1
+                raise CudaError("cuLaunchKernel: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (simulated failure)")
+            if not self.host_pointer_for_registered_mem:
+                raise CudaError(self._fault(
+                    f"launch_block_copy on device {device}: CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM is 0, so the "
+                    "kernel cannot read registered host memory at its host address (CUDA_ERROR_ILLEGAL_ADDRESS, "
+                    "sticky)"))
             self._registered_table("launch_block_copy", device, planes_ptr, num_planes * 40)
             self._registered_table("launch_block_copy", device, ids_ptr, num_blocks * 16)
+            self.kernel_grids.append(min(num_planes * num_blocks, max(1, min(self.kernel_max_sms, self.sms))))
+            planes_now = _read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)
+            seconds = self.timing.kernel_seconds(int(planes_now[:, 4].sum()) * num_blocks)
 
             def run() -> None:  # the kernel reads its plane table and block ids now, when it runs
                 if not self.copy_bytes:
@@ -262,7 +332,7 @@ class SimCudaRuntime:
                 if self._check_copies("block-copy kernel", device, segs) is None:
                     run_segments(segs)
 
-            self._queues.push(stream, SimWork("kernel", run=run))
+            self._queues.push(stream, SimWork("kernel", run=run, seconds=seconds))
         self.self_time += time.perf_counter() - t0
 
     def launch_host_work(self, stream: SimStream, fn: Callable[[], None]) -> None:
