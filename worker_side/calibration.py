@@ -26,6 +26,7 @@ import numpy as np
 
 from worker_side.backend import JobKind
 from worker_side.copy_plan import CopyGeometry
+from worker_side.cuda_api import CudaRuntime, Stream
 from worker_side.kernel_policy import KernelPolicy, KernelRule
 
 RUN_LENGTHS = (1, 2, 4, 8, 16, 32)
@@ -113,3 +114,33 @@ def calibrate(policy: KernelPolicy, geometry: dict[JobKind, CopyGeometry], num_b
         measured += sizes + counts
         policy = policy.with_rule(kind, rule_from(sizes, counts))
     return policy, measured
+
+
+class JobTimer:
+    """Times one job at a time on one stream with a pair of timing events; `time_job` is a `TimeJob`.
+
+    `issue(kind, path, src_ids, dst_ids, stream)` enqueues the job and returns the kernel-argument entries it
+    holds; they are given back (`release(kind, entries)`) once the job is waited for, or by `release_held`
+    after a failure, once the caller waited for the stream."""
+
+    def __init__(self, rt: CudaRuntime, stream: Stream,
+                 issue: Callable[[JobKind, str, np.ndarray, np.ndarray, Stream], int],
+                 release: Callable[[JobKind, int], None]) -> None:
+        self.rt, self.stream, self._issue, self._release = rt, stream, issue, release
+        self.start, self.end = rt.create_event(timing=True), rt.create_event(timing=True)
+        self._held: list[tuple[JobKind, int]] = []
+
+    def time_job(self, kind: JobKind, path: str, src_ids: np.ndarray, dst_ids: np.ndarray) -> float:
+        self.rt.record_event(self.start, self.stream)
+        entries = self._issue(kind, path, src_ids, dst_ids, self.stream)
+        if entries:
+            self._held.append((kind, entries))
+        self.rt.record_event(self.end, self.stream)
+        self.rt.synchronize_event(self.end)
+        self.release_held()
+        return self.rt.elapsed_s(self.start, self.end)
+
+    def release_held(self) -> None:
+        for kind, entries in self._held:
+            self._release(kind, entries)
+        self._held = []

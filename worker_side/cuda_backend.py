@@ -51,12 +51,12 @@ import numpy as np
 from worker_side.arg_ring import ArgRing
 from worker_side.backend import CopyJob, JobKind, JobResult, TransferBackend
 from worker_side.block_layout import TensorBlockView
-from worker_side.calibration import calibrate, num_calibration_blocks
+from worker_side.calibration import JobTimer, calibrate, num_calibration_blocks
 from worker_side.copy_plan import CopyGeometry
 from worker_side.cuda_api import CudaError, CudaRuntime, Event, Stream
 from worker_side.errors import BackendError, WorkerClosedError, WorkerInvariantError
-from worker_side.host_memory import allocate_host_buffer
 from worker_side.host_pool import HostPool
+from worker_side.kernel_args import KernelArgs
 from worker_side.kernel_policy import KERNEL_MAX_SEGMENT_BYTES, KERNEL_MAX_SMS, KernelPolicy
 from worker_side.pageable_copier import PageableCopier, Ticket
 
@@ -103,8 +103,7 @@ class CudaBackend(TransferBackend):
         self._device: int | None = None
         self._geometry: dict[JobKind, CopyGeometry] = {}
         self._streams: dict[JobKind, Stream] = {}
-        self._rings: dict[JobKind, ArgRing] = {}
-        self._plane_tables: dict[JobKind, int] = {}  # registered (num_planes, 5) tables, per direction
+        self._kernel_args: KernelArgs | None = None  # the kernel's registered arguments, where it is on
         self._inflight: dict[JobKind, deque[_InFlight]] = {"load": deque(), "store": deque()}
         self._job_ids: set[int] = set()
         self._events: list[Event] = []  # reusable events
@@ -170,7 +169,7 @@ class CudaBackend(TransferBackend):
             self._copier = PageableCopier(self.rt, device)
         self.kernel_off_reason = self._kernel_off_reason(device)
         if self.kernel_off_reason is None:
-            self._make_rings()
+            self._make_kernel_args()
         if self.kernel_off_reason is not None:
             log = logger.info if not self.policy.rules else logger.warning
             log("offload: block-copy kernel off on device %d: %s; copies use the copy engines (DMA)",
@@ -208,37 +207,26 @@ class CudaBackend(TransferBackend):
             return False
         return True
 
-    def _make_rings(self) -> None:
-        """Registered host memory for the kernel's arguments: both plane tables, one id ring per stream."""
-        kinds: tuple[JobKind, ...] = ("load", "store") if self.num_streams > 1 else ("load",)
-        tables = {kind: self._geometry[kind].plane_table().ravel() for kind in ("load", "store")}
-        num_table = sum(len(t) for t in tables.values())
-        memory = allocate_host_buffer(8 * (num_table + len(kinds) * self._ring_entries))
+    def _make_kernel_args(self) -> None:
         try:
-            self.rt.host_register(memory.data_ptr(), memory.numel())
+            self._kernel_args = KernelArgs(self.rt, self._geometry, self._streams["store"] is self._streams["load"],
+                                           self._ring_entries)
         except CudaError as exc:
             self.kernel_off_reason = f"its arguments could not be pinned ({exc})"
             return
-        self._registered.append(memory.data_ptr())
-        self._kernel_memory = memory  # keeps the tables and rings alive
-        words = memory.numpy().view(np.int64)
-        at = 0
-        for kind, table in tables.items():
-            words[at:at + len(table)] = table
-            self._plane_tables[kind] = words[at:].ctypes.data
-            at += len(table)
-        for kind in kinds:
-            self._rings[kind] = ArgRing(words[at:at + self._ring_entries])
-            at += self._ring_entries
-        if len(kinds) == 1:
-            self._rings["store"] = self._rings["load"]
+        self._registered.append(self._kernel_args.ptr)
+
+    @property
+    def _rings(self) -> dict[JobKind, ArgRing]:
+        """The kernel's argument ring per direction (empty where the kernel is off)."""
+        return self._kernel_args.rings if self._kernel_args is not None else {}
 
     def _calibrate(self, device: int, num_device_blocks: int, num_host_blocks: int) -> None:
         """Time kernel against DMA on this device and adopt the policy that measures faster (calibration.py);
         on any failure keep the configured policy. Runs before any request; waits for every copy it made."""
         num_blocks = num_calibration_blocks(num_device_blocks, num_host_blocks, self._geometry["load"].bytes_per_block)
         stream = self._streams["load"]
-        timer = _JobTimer(self, stream)
+        timer = JobTimer(self.rt, stream, self._issue, lambda kind, entries: self._rings[kind].release(entries))
         t0 = time.perf_counter()
         try:
             self._fence("store", stream)  # after whatever the engine launched so far
@@ -247,11 +235,21 @@ class CudaBackend(TransferBackend):
             logger.warning("offload: calibration on device %d failed (%s: %s); keeping %s", device,
                            type(exc).__name__, exc, self.policy.describe())
             self.rt.synchronize_stream(stream)
-            timer.release()
+            timer.release_held()
             return
         logger.info("offload: calibrated on device %d in %.0f ms over %d shapes", device,
                     (time.perf_counter() - t0) * 1e3, len(self.calibration))
         self.policy = policy
+
+    def _issue(self, kind: JobKind, path: str, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Stream) -> int:
+        """One calibration job by `path` ("kernel" | "dma"); the ring entries it holds."""
+        if path == "kernel":
+            entries = self._launch(kind, src_ids, dst_ids, stream)
+            if entries is None:
+                raise WorkerInvariantError("calibration: the argument ring is full while nothing else runs (our bug)")
+            return entries
+        self._dma(kind, src_ids, dst_ids, self._geometry[kind].runs(src_ids, dst_ids), stream)
+        return 0
 
     # ---- steps and jobs -----------------------------------------------------------------------------
     def _event(self) -> Event:
@@ -360,20 +358,13 @@ class CudaBackend(TransferBackend):
         return 0
 
     def _launch(self, kind: JobKind, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Stream) -> int | None:
-        """One kernel launch; the ring entries it holds, or None when the ring is full. A launch that raises
-        enqueued nothing: its entries are given back before the error propagates."""
-        ring = self._rings[kind]
-        args = ring.write(src_ids, dst_ids)
-        if args is None:
-            return None
-        try:
-            self.rt.launch_block_copy(self._plane_tables[kind], self._geometry[kind].num_planes, args[0],
-                                      len(src_ids), stream)
-        except BaseException:
-            ring.unwrite(args[1])
-            raise
-        self.num_copy_calls += 1
-        return args[1]
+        """One kernel launch (kernel_args.py): the ring entries it holds, None when the ring is full."""
+        if self._kernel_args is None:
+            raise WorkerInvariantError(f"{kind} job: kernel launch with the kernel off (our bug)")
+        entries = self._kernel_args.launch(kind, src_ids, dst_ids, stream)
+        if entries is not None:
+            self.num_copy_calls += 1
+        return entries
 
     def _dma(self, kind: JobKind, src_ids: np.ndarray, dst_ids: np.ndarray,
              runs: tuple[np.ndarray, np.ndarray, np.ndarray], stream: Stream) -> str:
@@ -394,7 +385,7 @@ class CudaBackend(TransferBackend):
         self._job_ids.discard(f.job.job_id)
         self._events.append(f.done)
         if f.ring_entries:
-            self._rings[kind].release(f.ring_entries)
+            self._rings[kind].release(f.ring_entries)  # the job completed: the kernel has read its ids
         error = f.error or (f.ticket.error if f.ticket is not None else None)
         failed = tuple(int(i) for i in f.job.dst_ids) if error else ()
         return JobResult(f.job.job_id, failed, error, time.perf_counter())
@@ -449,32 +440,3 @@ class CudaBackend(TransferBackend):
             self.rt.host_unregister(ptr)
         self._registered = []
 
-
-class _JobTimer:
-    """Times one calibration job at a time on one stream, with a pair of timing events (calibration.py)."""
-
-    def __init__(self, backend: CudaBackend, stream: Stream) -> None:
-        self.backend, self.stream = backend, stream
-        self.start, self.end = backend.rt.create_event(timing=True), backend.rt.create_event(timing=True)
-        self._held: list[tuple[JobKind, int]] = []  # ring entries of a launch not yet waited for
-
-    def time_job(self, kind: JobKind, path: str, src_ids: np.ndarray, dst_ids: np.ndarray) -> float:
-        b, rt = self.backend, self.backend.rt
-        rt.record_event(self.start, self.stream)
-        if path == "kernel":
-            entries = b._launch(kind, src_ids, dst_ids, self.stream)
-            if entries is None:
-                raise WorkerInvariantError("calibration: the argument ring is full while nothing else runs (our bug)")
-            self._held.append((kind, entries))
-        else:
-            b._dma(kind, src_ids, dst_ids, b._geometry[kind].runs(src_ids, dst_ids), self.stream)
-        rt.record_event(self.end, self.stream)
-        rt.synchronize_event(self.end)
-        self.release()
-        return rt.elapsed_s(self.start, self.end)
-
-    def release(self) -> None:
-        """Give back the ring entries of launches that completed (the stream was waited for)."""
-        for kind, entries in self._held:
-            self.backend._rings[kind].release(entries)
-        self._held = []
