@@ -9,15 +9,19 @@ JSON: `store_vs_memcpy` / `load_vs_memcpy` (min over sizes, `runs`), `*_scattere
 
 `--backend cuda-sim`: the CUDA backend on the simulated device (worker_side.cuda_sim), a Llama-8B-like KV
 cache (32 layers, 8 KV heads of 128, fp16, 16-token blocks: 2 MiB a block) in each layout (block first, K/V
-first, head-major LHBNC), 1 to 1024 blocks per job, runs and scattered ids, the default kernel threshold.
-`copy_calls_per_job`: copy or kernel-launch calls the backend made per job (max over everything);
+first, head-major LHBNC), 1 to 1024 blocks per job, runs and scattered ids, under two copy policies:
+`default` (the configuration's: the kernel for loads of small segments, batched DMA otherwise; no
+calibration) and `kernel_both` (every job by the kernel).
+Per policy, `copy_calls_per_job`: copy or kernel-launch calls the backend made per job (max over everything);
 `host_us_per_job`: per block count, Python time on the calling thread per `start_*` (the worker's checks
 of the metadata's id lists included; min over reps, the simulator's own time subtracted; max over layouts,
 patterns and directions); `backend_us_per_job` the same for the backend's `submit` alone.
 
-`--backend cuda` (needs a GPU): store and load GB/s through the CUDA backend for 2 MiB blocks and
-scattered 64 KiB and 16 KiB blocks, against a contiguous pinned-host <-> device `copy_` of the same bytes
-in the same run; `*_vs_copy` are the ratios.
+`--backend cuda` (needs a GPU; benchmarks/datapath_gpu.py): store and load GB/s for 2 MiB blocks in runs
+and scattered 64 KiB and 16 KiB blocks, per policy (the defaults with calibration, kernel only, DMA only),
+against a contiguous pinned-host <-> device `copy_` of the same bytes in the same run (`*_vs_copy`), copy
+calls per job, the path each job took, and how much a matmul loop on the compute stream slows while loads
+and stores run (kernel vs DMA).
 """
 
 from __future__ import annotations
@@ -106,7 +110,19 @@ def sim_layout(layout: str, num_blocks: int, rt) -> tuple[dict[str, torch.Tensor
     return {f"l{i}": one() for i in range(32)}, ("LHBNC" if layout == "LHBNC" else None)
 
 
+SIM_POLICIES = {  # the configuration's defaults (vLLM's: the kernel for loads of small segments), and the kernel for both
+    "default": {},
+    "kernel_both": {"kernel_directions": ("load", "store"), "kernel_max_segment_bytes": 1 << 30,
+                    "kernel_min_segments": 1},
+}
+
+
 def bench_cuda_sim(reps: int, seed: int) -> dict:
+    return {"backend": "cuda-sim", "reps": reps,
+            "policies": {name: bench_cuda_sim_policy(reps, seed, name) for name in SIM_POLICIES}}
+
+
+def bench_cuda_sim_policy(reps: int, seed: int, policy: str) -> dict:
     from worker_side.cuda_backend import CudaBackend
     from worker_side.cuda_sim import SimCudaRuntime
 
@@ -116,11 +132,14 @@ def bench_cuda_sim(reps: int, seed: int) -> dict:
     backend_us: dict[int, float] = dict.fromkeys(SIM_COUNTS, 0.0)
     calls, per_layout = 0, {}
     event = iter(range(1, 1 << 30))
+    t = load_config(None).transfer  # the configuration's defaults, without the calibration
+    options = {"kernel_directions": t.kernel_directions, "kernel_max_segment_bytes": int(t.kernel_max_segment_bytes),
+               "kernel_min_segments": t.kernel_min_segments, **SIM_POLICIES[policy]}
     for layout in SIM_LAYOUTS:
         # nothing runs inside a timed call; copies are checked but move no bytes (2 GiB per job at 1024 blocks)
         rt = SimCudaRuntime(schedule="random", seed=seed, burst=0, copy_bytes=False)
         kv, hint = sim_layout(layout, pool, rt)
-        worker = OffloadWorker(load_config({"num_cpu_blocks": pool}), backend=CudaBackend(runtime=rt))
+        worker = OffloadWorker(load_config({"num_cpu_blocks": pool}), backend=CudaBackend(runtime=rt, **options))
         worker.register_kv_caches(kv, num_gpu_blocks=pool, layout=hint)
         backend, layout_calls = worker.backend, 0
         inner_submit, in_backend = backend.submit, [0.0]
@@ -154,70 +173,18 @@ def bench_cuda_sim(reps: int, seed: int) -> dict:
                         worker.get_finished()
                     host_us[n] = max(host_us[n], best * 1e6)
                     backend_us[n] = max(backend_us[n], best_backend * 1e6)
-        per_layout[layout] = {"copy_calls_per_job": layout_calls, "planes": backend._geometry["store"].num_planes}
+        per_layout[layout] = {"copy_calls_per_job": layout_calls, "planes": backend._geometry["store"].num_planes,
+                              "jobs_by_path": {k: v for k, v in backend.num_jobs_by_path.items() if v}}
         calls = max(calls, layout_calls)
         worker.shutdown()
         if rt.faults:
             raise RuntimeError(f"simulated device faults in {layout}: {rt.faults[:3]}")
-    return {"backend": "cuda-sim", "copy_calls_per_job": calls,
+    return {"policy": backend.policy.describe(), "copy_calls_per_job": calls,
             "host_us_per_job": {str(n): round(us, 1) for n, us in host_us.items()},
             "host_us_max_over_min": round(max(host_us.values()) / min(host_us.values()), 2),
             "backend_us_per_job": {str(n): round(us, 1) for n, us in backend_us.items()},
             "backend_us_max_over_min": round(max(backend_us.values()) / min(backend_us.values()), 2),
-            "layouts": per_layout, "reps": reps}
-
-
-GPU_SIZES = {"2MiB": (2 << 20, "runs"), "64KiB": (64 << 10, "scattered"), "16KiB": (16 << 10, "scattered")}
-
-
-def bench_cuda_size(block_bytes: int, pattern: str, batch_bytes: int, reps: int, rng: random.Random) -> dict:
-    """One block size on a real GPU: the CUDA backend's store and load against a contiguous copy_."""
-    n = max(1, batch_bytes // block_bytes)
-    pool = 2 * n + 1
-    kv = {"kv": torch.randint(0, 256, (pool, block_bytes), dtype=torch.uint8, device="cuda")}
-    worker = OffloadWorker(load_config({"num_cpu_blocks": pool, "transfer": {"backend": "cuda"}}))
-    worker.register_kv_caches(kv)
-    host = torch.empty(n * block_bytes, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(n * block_bytes, dtype=torch.uint8, device="cuda")
-    gpu, cpu = id_pattern(pattern, n, pool, rng), id_pattern(pattern, n, pool, rng)
-    event = iter(range(1, 1 << 30))
-
-    def timed(fn) -> float:
-        def run() -> None:
-            fn()
-            torch.cuda.synchronize()
-        return best_of(reps, run)
-
-    def store() -> None:
-        worker.begin_step()
-        worker.start_store(TransferMetadata(store_event=next(event), store_gpu_blocks=gpu, store_cpu_blocks=cpu))
-        worker.wait_all()
-        worker.get_finished()
-
-    def load() -> None:
-        worker.begin_step()
-        worker.start_load(TransferMetadata(load_event=next(event), load_gpu_blocks=gpu, load_cpu_blocks=cpu,
-                                           load_event_reqs=["r"]))
-        worker.wait_all()
-        worker.get_finished()
-
-    d2h = timed(lambda: host.copy_(dev, non_blocking=True))
-    h2d = timed(lambda: dev.copy_(host, non_blocking=True))
-    store_s, load_s = timed(store), timed(load)
-    gb = n * block_bytes / 1e9
-    out = {"pattern": pattern, "num_blocks": n, "store_gbps": round(gb / store_s, 2),
-           "load_gbps": round(gb / load_s, 2), "d2h_copy_gbps": round(gb / d2h, 2), "h2d_copy_gbps": round(gb / h2d, 2),
-           "store_vs_copy": round(d2h / store_s, 3), "load_vs_copy": round(h2d / load_s, 3),
-           "pinned": worker.backend.pinned, "copy_calls": worker.backend.num_copy_calls}
-    worker.shutdown()
-    return out
-
-
-def bench_cuda(batch_bytes: int, reps: int, seed: int) -> dict:
-    rng = random.Random(seed)
-    sizes = {name: bench_cuda_size(block_bytes, pattern, batch_bytes, reps, rng)
-             for name, (block_bytes, pattern) in GPU_SIZES.items()}
-    return {"backend": "cuda", "device": torch.cuda.get_device_name(), "sizes": sizes}
+            "layouts": per_layout}
 
 
 def main() -> None:
@@ -230,8 +197,15 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.backend != "cpu":
-        result = (bench_cuda_sim(max(args.reps, 50), args.seed) if args.backend == "cuda-sim"
-                  else bench_cuda(args.batch_mib << 20, args.reps, args.seed))
+        if args.backend == "cuda-sim":
+            result = bench_cuda_sim(max(args.reps, 50), args.seed)
+        else:
+            if not torch.cuda.is_available():
+                raise SystemExit("bench_datapath.py --backend cuda: torch sees no CUDA device here; "
+                                 "allowed here: --backend cpu or --backend cuda-sim")
+            from datapath_gpu import bench_cuda  # benchmarks/datapath_gpu.py
+
+            result = bench_cuda(args.batch_mib << 20, args.reps, args.seed)
         print(json.dumps(result) if args.json else json.dumps(result, indent=2))
         return
     rng = random.Random(args.seed)
