@@ -64,4 +64,7 @@ class KernelPolicy:
 
 
 def _size(nbytes: int) -> str:
-    return f"{nbytes >> 10} KiB" if nbytes % 1024 == 0 else f"{nbytes} B"
+    for shift, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"

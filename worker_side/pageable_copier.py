@@ -58,9 +58,17 @@ class PageableCopier:
         return ticket
 
     def _run(self) -> None:
-        if self.rt.get_device() != self.device:
-            self.rt.set_device(self.device)
+        broken = None  # the thread could not make its device current: every job fails, in order
+        try:
+            if self.rt.get_device() != self.device:
+                self.rt.set_device(self.device)
+        except Exception as exc:
+            broken = f"the copy thread could not make device {self.device} current ({type(exc).__name__}: {exc})"
         while (work := self._queue.get()) is not None:
+            if broken is not None:
+                work.ticket.error = broken
+                work.ticket.issued.set()
+                continue
             try:
                 for event in work.after:
                     self.rt.wait_event(work.stream, event)
