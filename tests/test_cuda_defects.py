@@ -233,11 +233,9 @@ def test_a_queue_of_satisfied_waits_is_not_a_deadlock() -> None:
 def test_a_real_deadlock_is_still_reported() -> None:
     rt = SimCudaRuntime(seed=9, burst=0)
     stream = rt.create_stream(low_priority=False)
-    never = rt.create_event()
     rt._queues.push(stream, SimWork("wait", wait=(rt.compute_stream(), 5)))  # waits for work never queued
     with pytest.raises(CudaError, match="deadlock"):
         rt.synchronize_stream(stream)
-    assert never.done()
 
 
 def test_submit_failing_before_any_copy_is_one_failed_job(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -266,3 +264,20 @@ def test_backend_logs_the_policy_it_uses(caplog: pytest.LogCaptureFixture) -> No
     assert any(r.getMessage() == "offload: copy policy on device 0: load: kernel for segments averaging <= 28 KiB, "
                ">= 16 of them (else DMA); store: DMA" for r in caplog.records)
     w.shutdown()
+
+
+def test_a_copy_thread_without_its_device_fails_its_jobs_in_order() -> None:
+    """The copy thread could not make its device current: each job fails, none hangs a wait."""
+    from worker_side.copy_plan import Segments
+    from worker_side.pageable_copier import PageableCopier
+
+    class NoDevice:
+        def get_device(self) -> int:
+            raise CudaError("cudaGetDevice failed: cudaErrorNoDevice (simulated)")
+
+    copier = PageableCopier(NoDevice(), device=1)  # type: ignore[arg-type]
+    empty = Segments(*(np.zeros(0, np.int64) for _ in range(3)))
+    tickets = [copier.submit(empty, stream=None, done=None, after=[]) for _ in range(3)]
+    assert all(t.issued.wait(timeout=10) for t in tickets)
+    assert all("could not make device 1 current" in t.error for t in tickets)
+    copier.close()

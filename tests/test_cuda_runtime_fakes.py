@@ -133,6 +133,36 @@ def batch(rt: cuda_runtime.TorchCudaRuntime) -> None:
     rt.memcpy_batch(dst, src, nbytes, FakeStream())
 
 
+@pytest.mark.parametrize("status", [(), (0,)])  # bindings returning (err, pfn) or (err, pfn, symbolStatus)
+@pytest.mark.parametrize(("driver", "has_fail_idx"), [(12080, True), (13000, False)])
+def test_batch_copy_resolves_through_either_tuple_shape(status: tuple, driver: int, has_fail_idx: bool) -> None:
+    keep = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: 0)  # any function address will do: it is never called here
+    drv = FakeDriver()
+    drv.cuDriverGetVersion = lambda: (FakeCUresult(0), driver)
+    asked: list = []
+
+    def get_proc_address(symbol: bytes, version: int, flags: int) -> tuple:
+        asked.append((symbol, version, flags))
+        return (FakeCUresult(0), ctypes.cast(keep, ctypes.c_void_p).value, *status)
+
+    drv.cuGetProcAddress = get_proc_address
+    rt = bare_runtime(drv)
+    fn, fail_idx = rt._resolve_batch()
+    assert fn is not None and fail_idx is has_fail_idx
+    assert asked == [(b"cuMemcpyBatchAsync", 12080 if has_fail_idx else 13000, 0)]
+
+
+def test_no_batch_copy_when_the_lookup_fails_with_an_unknown_code() -> None:
+    drv = FakeDriver()
+    drv.cuDriverGetVersion = lambda: (FakeCUresult(0), 12090)
+
+    def get_proc_address(symbol: bytes, version: int, flags: int) -> tuple:
+        return (FakeCUresult(1000), 0, 0)  # the bindings cannot name 1000: ValueError
+
+    drv.cuGetProcAddress = get_proc_address
+    assert bare_runtime(drv)._resolve_batch() == (None, False)
+
+
 def test_batch_error_code_unknown_to_the_bindings() -> None:
     rt = batch_runtime(723, None, {})
     with pytest.raises(CudaError, match="CUresult 723") as err:

@@ -85,9 +85,9 @@ def _driver_error(drv: Any, err: Any) -> str:
     code = int(err)
     try:
         res, name = drv.cuGetErrorName(drv.CUresult(code))
-    except (ValueError, TypeError):  # the bindings' CUresult enum has no member for this code (e.g. 723, 1000)
+        return name.decode() if int(res) == 0 and name else f"CUresult {code}"
+    except Exception:  # the bindings' CUresult enum has no member for this code (ValueError: 723, 1000, ...)
         return f"CUresult {code} (unknown to the installed cuda-bindings)"
-    return name.decode() if int(res) == 0 and name else f"CUresult {code}"
 
 
 def _check(drv: Any, result: tuple, what: str) -> list[Any]:
@@ -142,8 +142,9 @@ class TorchCudaRuntime:
             if proto is None:
                 return None, False
             request, argtypes = proto
-            (fn,) = _call(drv, "cuGetProcAddress(cuMemcpyBatchAsync)", drv.cuGetProcAddress,
-                          b"cuMemcpyBatchAsync", request, 0)  # CU_GET_PROC_ADDRESS_DEFAULT
+            # (pfn,) or (pfn, symbolStatus), depending on the bindings' version
+            fn = _call(drv, "cuGetProcAddress(cuMemcpyBatchAsync)", drv.cuGetProcAddress,
+                       b"cuMemcpyBatchAsync", request, 0)[0]  # CU_GET_PROC_ADDRESS_DEFAULT
         except CudaError as exc:
             logger.warning("offload: no batched copies (%s); copies go one call per segment", exc)
             return None, False
