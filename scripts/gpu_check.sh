@@ -18,7 +18,8 @@
 #   4. runs the data-path benchmark on the GPU -> bench_cuda.json (benchmarks/bench_datapath.py --backend cuda);
 #   5. runs the kernel's round trips under compute-sanitizer memcheck and racecheck, where compute-sanitizer is
 #      found (PATH, /usr/local/cuda*/bin, the nvidia wheels) -> sanitizer_memcheck.log, sanitizer_racecheck.log;
-#   6. runs the CUDA tests that need no GPU (fakes, simulated device) on this machine's packages -> pytest_unit.log.
+#   6. runs the CUDA tests that need no GPU (fakes, the real cuda-bindings into a libcuda stand-in, the simulated
+#      device) on this machine's packages -> pytest_unit.log.
 # Every result lands in OUT_DIR, with summary.txt (one line per step: name, exit code, seconds) and
 # gpu_check.log (this script's output). Exit 0 when every step passed (a missing compute-sanitizer is a skip),
 # 1 otherwise. On a machine without a GPU it says so, writes OUT_DIR/no_gpu.txt and exits 0.
@@ -202,7 +203,8 @@ fi
 
 # ---- 6. the CUDA tests that need no GPU ----------------------------------------------------------------------
 run_step pytest_unit 90 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" tests/test_cuda_kernel_source.py \
-    tests/test_cuda_runtime_fakes.py tests/test_cuda_defects.py tests/test_cuda_calibration.py \
+    tests/test_cuda_runtime_fakes.py tests/test_cuda_bindings_stub.py tests/test_cuda_defects.py \
+    tests/test_cuda_calibration.py \
     > "$OUT/pytest_unit.log" 2>&1
 tail -n 5 "$OUT/pytest_unit.log"
 

@@ -1,7 +1,8 @@
 """`TorchCudaRuntime` and its kernel loader driven through a fake driver and a fake cupy (no GPU needed).
 
-The fakes behave as the real libraries were read to behave (cuda-bindings 12.9 and 13.x, cupy 13 and 14.2):
-a bindings call whose driver returns a code the `CUresult` enum lacks raises ValueError; cupy's kernel call
+The fakes behave as the real libraries were read and run to behave (cuda-bindings 12.9, 13.0 and 13.5, cupy 13
+and 14.2; test_cuda_bindings_stub.py drives the real bindings where they are installed): a bindings call whose
+driver returns a code the `CUresult` enum lacks raises KeyError (12.9, 13.0) or ValueError (13.5); cupy's kernel call
 reads `stream.ptr`; cupy 14's `ExternalStream` warns on every construction. What they cannot show is a GPU's
 own behaviour: that is scripts/gpu_check.sh's part.
 """
@@ -43,8 +44,9 @@ class FakeDriver:
         CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
         CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
 
-    def __init__(self, memcpy_code: int = 0, attributes: dict[int, int] | None = None) -> None:
-        self.memcpy_code = memcpy_code
+    def __init__(self, memcpy_code: int = 0, attributes: dict[int, int] | None = None,
+                 unknown: type[Exception] = ValueError) -> None:
+        self.memcpy_code, self.unknown = memcpy_code, unknown
         self.attributes = attributes or {16: 132, 91: 1}
         self.calls: list[tuple[str, int]] = []
         self._lock = threading.Lock()
@@ -53,7 +55,11 @@ class FakeDriver:
         return FakeCUresult(0), FakeCUresult.NAMES[int(res)]
 
     def cuMemcpyAsync(self, dst: int, src: int, nbytes: int, stream: int) -> tuple[FakeCUresult]:  # noqa: N802
-        return (FakeCUresult(self.memcpy_code),)  # the bindings build the enum: ValueError for 723, 1000
+        # the bindings map the code to their enum: KeyError for 723, 1000 in 12.9 / 13.0, ValueError in 13.5
+        if self.memcpy_code not in FakeCUresult.NAMES:
+            raise self.unknown(self.memcpy_code if self.unknown is KeyError else
+                               f"{self.memcpy_code} is not a valid CUresult")
+        return (FakeCUresult(self.memcpy_code),)
 
     def cuCtxGetCurrent(self) -> tuple[FakeCUresult, int]:  # noqa: N802
         return FakeCUresult(0), 0  # a new thread: no context
@@ -102,11 +108,12 @@ def test_unknown_codes_are_named_by_number(code: int) -> None:
     assert cuda_runtime._driver_error(drv, 700) == "CUDA_ERROR_ILLEGAL_ADDRESS"
 
 
+@pytest.mark.parametrize("unknown", [KeyError, ValueError])
 @pytest.mark.parametrize("code", [723, 1000])
-def test_a_bindings_call_that_cannot_name_its_result_raises_cuda_error(code: int) -> None:
-    rt = bare_runtime(FakeDriver(memcpy_code=code))
+def test_a_bindings_call_that_cannot_name_its_result_raises_cuda_error(code: int, unknown: type) -> None:
+    rt = bare_runtime(FakeDriver(memcpy_code=code, unknown=unknown))
     rt._tls.bound = True
-    with pytest.raises(CudaError, match=f"cuMemcpyAsync.*{code} is not a valid CUresult"):
+    with pytest.raises(CudaError, match=f"cuMemcpyAsync.*cannot name.*{unknown.__name__}.*{code}"):
         rt.memcpy(1 << 40, 4096, 512, FakeStream())
 
 

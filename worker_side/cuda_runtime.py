@@ -14,8 +14,9 @@ What it binds to, and why:
   `device_of` and the device attributes use the cuda-bindings Python API. Driver calls need a current
   context: the first one on a thread makes the current device's primary context (torch's) current if none
   is, retaining it; `close()` releases every context this runtime retained.
-- Driver errors: an error code the installed cuda-bindings cannot name (their `CUresult` enum raises
-  ValueError for it, as for 723 or 1000) still becomes a `CudaError` naming the call and the number.
+- Driver errors: an error code the installed cuda-bindings cannot name (723, 1000, ...: their calls raise
+  KeyError for it in 12.9 and 13.0, ValueError in 13.5, and `CUresult(code)` raises ValueError) still
+  becomes a `CudaError` naming the call and the number.
 - The block-copy kernel (segment_copy.cu, loaded and launched by cuda_kernel.py) is compiled on first use of
   `supports_kernel` for the current device; `kernel_error` says why it is not available. Its grid is at most
   `kernel_max_sms` thread blocks, never more than the device's SM count.
@@ -103,9 +104,9 @@ def _call(drv: Any, what: str, fn: Any, *args: Any) -> list[Any]:
     a code their enum does not know becomes a CudaError too."""
     try:
         result = fn(*args)
-    except ValueError as exc:
+    except (KeyError, ValueError) as exc:  # KeyError: cuda-bindings 12.9 / 13.0; ValueError: 13.5
         raise CudaError(f"{what} failed: the driver returned an error the installed cuda-bindings cannot name "
-                        f"({exc})") from exc
+                        f"({type(exc).__name__}: {exc})") from exc
     return _check(drv, result, what)
 
 
@@ -194,8 +195,9 @@ class TorchCudaRuntime:
         what = f"cuPointerGetAttribute(MEMORY_TYPE, {ptr:#x})"
         try:
             err, mem_type = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
-        except ValueError as exc:
-            raise CudaError(f"{what} failed: an error the installed cuda-bindings cannot name ({exc})") from exc
+        except (KeyError, ValueError) as exc:  # a code the bindings cannot name (see `_call`)
+            raise CudaError(f"{what} failed: an error the installed cuda-bindings cannot name "
+                            f"({type(exc).__name__}: {exc})") from exc
         if int(err) == _CUDA_ERROR_INVALID_VALUE:
             return None  # memory CUDA does not know: ordinary host memory
         _check(drv, (err,), what)
