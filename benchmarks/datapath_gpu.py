@@ -116,7 +116,7 @@ def bench_policy(kv: torch.Tensor, pool: int, policy: str, gpu: list[int], cpu: 
 
 def bench_size(block_bytes: int, pattern: str, batch_bytes: int, reps: int, rng: random.Random) -> dict:
     n = max(1, batch_bytes // block_bytes)
-    pool = 2 * n + 1
+    pool = 2 * -(-n // 16) * 16 + 1  # room for twice the job in whole runs of 16
     kv = torch.randint(0, 256, (pool, block_bytes), dtype=torch.uint8, device="cuda")
     host = torch.empty(n * block_bytes, dtype=torch.uint8).pin_memory()
     dev = torch.empty(n * block_bytes, dtype=torch.uint8, device="cuda")
