@@ -42,7 +42,7 @@ from offload_connector.config import (
     load_config,
     merge_configs,
 )
-from offload_connector.sizing import num_cpu_blocks
+from offload_connector.sizing import Capacity, capacity, num_cpu_blocks
 
 OUR_PACKAGES = ("offload_connector", "scheduler_side", "worker_side")
 
@@ -111,6 +111,18 @@ def resolve_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         raise _located(err, where or _absolute(config_file)) from None
 
 
+def describe_config_source(extra: Mapping[str, Any] | None) -> str:
+    """Where `resolve_config(extra)` took the config from, for the start-up line: "file /abs/offload.yaml",
+    "file /abs/offload.yaml + inline keys store_policy", "inline keys cpu_bytes (defaults for the rest)" or
+    "defaults (embedded default.yaml)"."""
+    inline = dict(extra or {})
+    config_file = inline.pop("config_file", None)
+    keys = f"inline keys {', '.join(sorted(map(str, inline)))}" if inline else ""
+    if isinstance(config_file, str):
+        return f"file {_absolute(config_file)}" + (f" + {keys}" if keys else "")
+    return f"{keys} (defaults for the rest)" if keys else "defaults (embedded default.yaml)"
+
+
 def _absolute(path: str | None) -> str | None:
     """The absolute path a config file was read from (as `read_config_file` resolves it)."""
     if path is None:
@@ -153,6 +165,10 @@ class KVCacheShape:
 
     def num_cpu_blocks(self, config: OffloadConfig) -> int:
         return num_cpu_blocks(config, self.bytes_per_block, self.world_size)
+
+    def capacity(self, config: OffloadConfig) -> Capacity:
+        """One rank's CPU tier for `config`: blocks (null block apart), bytes and tokens."""
+        return capacity(config, self.bytes_per_block, self.block_size, self.world_size)
 
 
 def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
