@@ -192,6 +192,28 @@ class RemoteClient:
     def delete(self, keys: Sequence[bytes]) -> None:
         self._run([("delete", k) for k in keys])
 
+    def server_memory(self) -> tuple[int, int] | None:
+        """(used_memory, maxmemory) from INFO memory, summed over a cluster's primaries (maxmemory 0: no
+        limit set), or None when the server cannot be asked. The server's figures, every namespace's."""
+        if not self.breaker.allow():
+            return None
+        try:
+            client = self._client()
+            if len(remote_urls(self.remote)) > 1:
+                reply = client.info("memory", target_nodes=client.PRIMARIES)
+            else:
+                reply = client.info("memory")
+        except self._conn_errors as exc:
+            self._on_connection_error(exc)
+            return None
+        except self._redis_error as exc:  # INFO refused (an ACL): no figures, the tier goes on
+            self.counters.errors += 1
+            logger.debug("remote tier %s refused INFO memory: %s", self._where, exc)
+            return None
+        self.breaker.on_success()
+        infos = [reply] if "used_memory" in reply else [v for v in reply.values() if isinstance(v, dict)]
+        return sum(int(i.get("used_memory", 0)) for i in infos), sum(int(i.get("maxmemory", 0)) for i in infos)
+
     def close(self) -> None:
         self._redis = _drop(self._redis)
 
