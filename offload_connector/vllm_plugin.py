@@ -46,7 +46,12 @@ from offload_connector.vllm_early_check import (
     check_engine_args,
     selects_ours,
 )
-from offload_connector.vllm_setup import UnsupportedSetupError, check_vllm_version, resolve_config
+from offload_connector.vllm_setup import (
+    UnsupportedSetupError,
+    check_vllm_version,
+    keeps_hybrid_manager,
+    resolve_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +135,7 @@ def keep_hma_off_for_one_group_configs(engine_args: Any) -> None:
         config = resolve_config(ktc.kv_connector_extra_config)
     except ConfigError:
         return  # raised by check_engine_config once vLLM's config exists, as for any bad key
-    if config.store_policy == "eager" and config.remote is None:
+    if keeps_hybrid_manager(config):
         return
     engine_args.disable_hybrid_kv_cache_manager = True
     why = f"store_policy: {config.store_policy}" if config.store_policy != "eager" else "a remote tier"

@@ -222,6 +222,12 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
     )
 
 
+def keeps_hybrid_manager(config: OffloadConfig) -> bool:
+    """Whether the config serves several KV-cache groups, so vLLM keeps its hybrid KV cache manager on for a
+    hybrid model (the plugin turns it off otherwise, unless the user set it): `check_groups_config`'s rule."""
+    return config.store_policy == "eager" and config.remote is None
+
+
 def check_groups_config(config: OffloadConfig, shape: KVCacheShape) -> None:
     """Several KV-cache groups need `store_policy: eager` and no `remote` tier (both work per single group
     only); else `UnsupportedSetupError` naming the key and what is allowed. Nothing to check for one group."""
