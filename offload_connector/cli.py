@@ -144,7 +144,7 @@ def _check_plot_path(path: str) -> None:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise PlotError("--plot needs matplotlib: pip install 'offload-connector[plot]'") from None
+        raise PlotError("--plot needs matplotlib (the [plot] extra): pip install matplotlib") from None
     suffix = Path(path).suffix.lstrip(".").lower()
     formats = Figure().canvas.get_supported_filetypes()
     if suffix not in formats:

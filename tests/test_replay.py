@@ -89,7 +89,7 @@ def test_plot_writes_a_png_or_explains_the_missing_extra(tmp_path: Path,
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        assert code == 2 and "pip install 'offload-connector[plot]'" in capsys.readouterr().err
+        assert code == 2 and "--plot needs matplotlib (the [plot] extra): pip install matplotlib" in capsys.readouterr().err
         return
     assert code == 0 and png.read_bytes()[:4] == b"\x89PNG"
 
