@@ -200,3 +200,16 @@ def test_the_openai_server_exits_with_one_line(extra: str, flags: list[str], las
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert re.fullmatch(last, lines[-1])
+
+
+def test_the_connector_checks_memavailable_itself_before_building_blocks(monkeypatch) -> None:
+    """Without the plugin's check (VLLM_PLUGINS leaving it out), the connector refuses the same tier from
+    vLLM's exact KV spec, before its scheduler builds one object per CPU block."""
+    from vllm_sim_helpers import Sim
+
+    import offload_connector.vllm_connector as vllm_connector
+
+    monkeypatch.setattr(vllm_connector, "mem_available_bytes", lambda: GIB)
+    with pytest.raises(ConfigError, match=r"got '2 GiB'; allowed: <= 1 GiB here: this host's MemAvailable is 1 GiB"):
+        Sim(num_gpu_blocks=8, num_cpu_blocks=None, cpu_bytes="2GiB")
+    Sim(num_gpu_blocks=8, num_cpu_blocks=None, cpu_bytes="1MiB").assert_no_leaks()
