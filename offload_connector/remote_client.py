@@ -194,8 +194,9 @@ class RemoteClient:
 
     def server_memory(self) -> tuple[int, int] | None:
         """(used_memory, maxmemory) from INFO memory, summed over a cluster's primaries (maxmemory 0: no
-        limit set), or None when the server cannot be asked. The server's figures, every namespace's."""
-        if not self.breaker.allow():
+        limit set), or None when the server cannot be asked. The server's figures, every namespace's. For
+        gauges only: never counts an error and never moves the breaker (asks nothing while it is open)."""
+        if self.breaker.state == "open":
             return None
         try:
             client = self._client()
@@ -203,14 +204,9 @@ class RemoteClient:
                 reply = client.info("memory", target_nodes=client.PRIMARIES)
             else:
                 reply = client.info("memory")
-        except self._conn_errors as exc:
-            self._on_connection_error(exc)
+        except (*self._conn_errors, self._redis_error) as exc:
+            logger.debug("remote tier %s: no INFO memory (%s: %s)", self._where, type(exc).__name__, exc)
             return None
-        except self._redis_error as exc:  # INFO refused (an ACL): no figures, the tier goes on
-            self.counters.errors += 1
-            logger.debug("remote tier %s refused INFO memory: %s", self._where, exc)
-            return None
-        self.breaker.on_success()
         infos = [reply] if "used_memory" in reply else [v for v in reply.values() if isinstance(v, dict)]
         return sum(int(i.get("used_memory", 0)) for i in infos), sum(int(i.get("maxmemory", 0)) for i in infos)
 

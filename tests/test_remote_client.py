@@ -260,7 +260,11 @@ def test_server_memory_sums_a_clusters_primaries(redis_cluster) -> None:  # noqa
     assert limit == 64 * 2**20 * len(redis_cluster) and used > 0
 
 
-def test_server_memory_is_none_while_the_server_is_down(redis_server) -> None:  # noqa: F811
+def test_server_memory_is_none_while_the_server_is_down_and_leaves_the_breaker_alone(redis_server) -> None:  # noqa: F811
+    """A gauge's poll must not count errors or open the breaker: lookups and fetches decide on those."""
     client = RemoteClient(remote_cfg(redis_server.url))
     redis_server.stop()
-    assert client.server_memory() is None and client.breaker.state == OPEN
+    assert client.server_memory() is None
+    assert client.breaker.state == CLOSED and client.counters.errors == 0
+    client.breaker.on_failure()  # opened by a lookup: the poll asks nothing
+    assert client.breaker.state == OPEN and client.server_memory() is None
