@@ -1,19 +1,26 @@
-"""The `offload-connector` command. Subcommand `replay` (SPEC §7): replay a Mooncake trace through the fake
-engine with the connector and report hit ratios, transfers, integrity errors and leaks.
+"""The `offload-connector` command.
 
-Exit status: 0 on a clean run, 1 if the replay found integrity errors or leaked blocks, 2 on bad input
-(config, trace, flags) or a missing optional dependency.
+- `replay`: replay a Mooncake trace through the fake engine with the connector and report hit ratios,
+  transfers, integrity errors and leaks. Exit status 0 on a clean run, 1 if the replay found integrity
+  errors or leaked blocks.
+- `check CONFIG [--model-config config.json] [--tp N] [--block-size N]`: validate a config and print what
+  it gives per rank for that model (config_check.py). Exit status 0 when valid.
+
+Both: exit status 2 with one `error:` line on stderr on bad input (config, model config, trace, flags) or a
+missing optional dependency, found before any work starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from offload_connector.trace import BUNDLED_TRACES, read_trace, resolve_trace
+from offload_connector.trace import BUNDLED_TRACES, TraceError, read_trace, resolve_trace
 
 # With no --trace: the bundled trace, scaled, on a GPU pool of 5% and a CPU tier of 10% of its 43,924
 # distinct blocks (the sizes of the references in the trace's README) unless --config or flags set sizes.
@@ -81,7 +88,68 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     rp.add_argument("--plot", metavar="FILE", help="write a PNG of the hit ratio over time (needs matplotlib)")
     rp.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    ck = sub.add_parser(
+        "check", help="validate a config and print what it gives per rank for a model",
+        description="Validate a config (every key, type and value) and, with a model's config.json, print one "
+                    "rank's CPU tier for that model's KV shape: bytes, blocks and tokens, sized as the vLLM "
+                    "connector will size it; refuses a tier under 2 blocks per rank or above this host's "
+                    "MemAvailable, as vLLM's start-up does.")
+    ck.add_argument("config", metavar="CONFIG", help="YAML config file")
+    ck.add_argument("--model-config", metavar="CONFIG_JSON",
+                    help="the model's Hugging Face config.json (layers, KV heads, head size, dtype)")
+    ck.add_argument("--tp", type=_positive, default=1, metavar="N", help="tensor-parallel size (default 1)")
+    ck.add_argument("--block-size", type=_positive, metavar="N",
+                    help="vLLM's --block-size in tokens (default 16, vLLM's default)")
+    ck.add_argument("--dtype", metavar="DTYPE",
+                    help="KV dtype when it differs from the config's torch_dtype (vLLM's --dtype or "
+                         "--kv-cache-dtype): float16, bfloat16, float32, fp8")
+    ck.add_argument("--no-host-memory", action="store_true",
+                    help="do not compare with this host's MemAvailable (checking for another machine)")
+    ck.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
+
+
+def _check(args: argparse.Namespace) -> int:
+    from offload_connector.config_check import check_config, format_check
+
+    result = check_config(args.config, args.model_config, tp=args.tp, block_size=args.block_size,
+                          dtype=args.dtype, host_memory=not args.no_host_memory)
+    print(json.dumps(result, sort_keys=True) if args.json else format_check(result))
+    return 0
+
+
+def _trace_path(name: str | None) -> str:
+    """The trace file: a bundled trace by name, or a path that exists; a near miss of a bundled name is
+    refused with the close matches."""
+    if name is None or name in BUNDLED_TRACES or Path(name).exists():
+        return str(resolve_trace(name))
+    close = difflib.get_close_matches(name, BUNDLED_TRACES, n=2, cutoff=0.7)
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    raise TraceError(f"--trace: got {name!r}: no such file and no bundled trace of that name; {hint}"
+                     f"allowed: a trace file, or a bundled trace: {', '.join(BUNDLED_TRACES)}")
+
+
+def _check_plot_path(path: str) -> None:
+    """Before the run: the file can be created, matplotlib is there and writes the file's format."""
+    from offload_connector.replay_report import PlotError
+
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise PlotError(f"--plot: cannot write {path!r}: {exc.strerror}") from None
+    if not existed:
+        os.unlink(path)
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise PlotError("--plot needs matplotlib (the [plot] extra): pip install matplotlib") from None
+    suffix = Path(path).suffix.lstrip(".").lower()
+    formats = Figure().canvas.get_supported_filetypes()
+    if suffix not in formats:
+        raise PlotError(f"--plot: got {path!r}; allowed: a file name ending in one of "
+                        f"{', '.join('.' + f for f in sorted(formats))}")
 
 
 def _pool_sizes(args: argparse.Namespace, bundled_scaled: bool) -> tuple[int | None, int | None, dict[str, str]]:
@@ -93,8 +161,7 @@ def _pool_sizes(args: argparse.Namespace, bundled_scaled: bool) -> tuple[int | N
     data = config_source_dict(args.config) if args.config else {}
     engine = data.get("engine") or {}
     file_sets = {"gpu_blocks": "num_gpu_blocks" in engine,
-                 "cpu_blocks": any(k in data for k in ("num_cpu_blocks", "cpu_bytes", "cpu_bytes_to_use"))
-                 or "num_cpu_blocks" in engine}
+                 "cpu_blocks": "num_cpu_blocks" in data or "num_cpu_blocks" in engine}
     sizes: dict[str, int | None] = {"gpu_blocks": args.gpu_blocks, "cpu_blocks": args.cpu_blocks}
     gpu_default, cpu_default = BUNDLED_SIZES[args.trace or "synthetic"] if bundled_scaled else (0, 0)
     bundled_default = {"gpu_blocks": gpu_default, "cpu_blocks": cpu_default}
@@ -106,8 +173,18 @@ def _pool_sizes(args: argparse.Namespace, bundled_scaled: bool) -> tuple[int | N
             sources[key] = f"config file {args.config}"
         elif bundled_scaled:
             sizes[key], sources[key] = bundled_default[key], "the bundled trace's default (5% / 10% of its distinct blocks)"
+        elif key == "cpu_blocks" and args.config:  # never cpu_bytes / the fake model's tiny blocks
+            sizes[key] = config_source_dict(None)["engine"]["num_cpu_blocks"]
+            sources[key] = "the embedded default.yaml's engine.num_cpu_blocks"
         else:
             sources[key] = "the config's defaults (the file sets none)" if args.config else "the embedded default.yaml"
+    if sizes["cpu_blocks"] is not None and sources["cpu_blocks"] != "--cpu-blocks" \
+            and any(k in data for k in ("cpu_bytes", "cpu_bytes_to_use")) and not file_sets["cpu_blocks"]:
+        sources["cpu_bytes"] = ("not used: it sizes the tier under vLLM; the fake engine's blocks are tiny "
+                                "(set num_cpu_blocks or --cpu-blocks)")
+        print(f"note: cpu_bytes in {args.config} sizes the CPU tier under vLLM, not here: the fake engine keeps "
+              f"{sizes['cpu_blocks']:,} CPU blocks, {sources['cpu_blocks']}; set num_cpu_blocks (or --cpu-blocks) "
+              "to size it", file=sys.stderr)
     return sizes["gpu_blocks"], sizes["cpu_blocks"], sources
 
 
@@ -117,9 +194,9 @@ def _replay(args: argparse.Namespace) -> int:
 
     if args.plot:
         try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("error: --plot needs matplotlib: pip install 'offload-connector[plot]'", file=sys.stderr)
+            _check_plot_path(args.plot)
+        except PlotError as exc:
+            print(f"error: {exc}", file=sys.stderr)
             return 2
     if args.full_size and (args.scaled or args.trace not in (None, "synthetic")):
         print("error: --full-size applies to the bundled trace unscaled; it cannot go with --scaled or --trace",
@@ -131,7 +208,7 @@ def _replay(args: argparse.Namespace) -> int:
         return 2
     bundled = args.trace is None or args.trace in BUNDLED_TRACES
     scaled = args.scaled or (bundled and not args.full_size)
-    trace = str(resolve_trace(args.trace))
+    trace = _trace_path(args.trace)
     requests = read_trace(trace, limit=args.limit)
     gpu_blocks, cpu_blocks, sizes_from = _pool_sizes(args, bundled and scaled)
     config = replay_config(args.config, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
@@ -172,7 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "replay":
             return _replay(args)
-    except ValueError as exc:  # ConfigError, TraceError, HostPoolError, LayoutError, BackendError
+        if args.command == "check":
+            return _check(args)
+    except ValueError as exc:  # ConfigError, ModelConfigError, TraceError, HostPoolError, LayoutError, ...
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `| head` closed our stdout: not an error of ours

@@ -37,7 +37,7 @@ def _redis() -> Any:
     try:
         import redis
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("the remote tier needs the `redis` package: pip install 'offload-connector[remote]'") from exc
+        raise ImportError("the remote tier needs the `redis` package (the [remote] extra): pip install redis hiredis") from exc
     return redis
 
 
@@ -191,6 +191,24 @@ class RemoteClient:
 
     def delete(self, keys: Sequence[bytes]) -> None:
         self._run([("delete", k) for k in keys])
+
+    def server_memory(self) -> tuple[int, int] | None:
+        """(used_memory, maxmemory) from INFO memory, summed over a cluster's primaries (maxmemory 0: no
+        limit set), or None when the server cannot be asked. The server's figures, every namespace's. For
+        gauges only: never counts an error and never moves the breaker (asks nothing while it is open)."""
+        if self.breaker.state == "open":
+            return None
+        try:
+            client = self._client()
+            if len(remote_urls(self.remote)) > 1:
+                reply = client.info("memory", target_nodes=client.PRIMARIES)
+            else:
+                reply = client.info("memory")
+        except (*self._conn_errors, self._redis_error) as exc:
+            logger.debug("remote tier %s: no INFO memory (%s: %s)", self._where, type(exc).__name__, exc)
+            return None
+        infos = [reply] if "used_memory" in reply else [v for v in reply.values() if isinstance(v, dict)]
+        return sum(int(i.get("used_memory", 0)) for i in infos), sum(int(i.get("maxmemory", 0)) for i in infos)
 
     def close(self) -> None:
         self._redis = _drop(self._redis)

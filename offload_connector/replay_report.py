@@ -83,7 +83,7 @@ def write_plot(result: ReplayResult, path: str | Path, window: int = 100) -> Non
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PlotError("--plot needs matplotlib: pip install 'offload-connector[plot]'") from None
+        raise PlotError("--plot needs matplotlib (the [plot] extra): pip install matplotlib") from None
     samples = result.stats.samples
     if not samples:
         raise PlotError("nothing to plot: no request was admitted")

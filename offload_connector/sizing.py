@@ -1,13 +1,46 @@
-"""How many CPU blocks a configuration buys. Shared by both sides so they agree on the pool size.
+"""How many CPU blocks a configuration buys, and whether the host can hold them. Shared by every face
+(the vLLM adapter's early check and its roles, the worker, `offload-connector check`) so they agree.
 
 The CPU tier is sized per worker rank: `cpu_bytes` is for the whole engine and is divided evenly across
 the `world_size` tensor-parallel ranks; each rank's pool holds the same number of blocks (block 0 is the
-reserved null block and holds no data). `num_cpu_blocks`, when set, overrides `cpu_bytes`.
+reserved null block and holds no data, so a pool of n blocks caches n - 1). `num_cpu_blocks`, when set,
+overrides `cpu_bytes`.
+
+Every refusal is a `ConfigError` naming `cpu_bytes` (or `num_cpu_blocks`), the value and what is
+allowed, with sizes in human units (`format_bytes`). This module imports nothing but the config types.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from offload_connector.config import ConfigError, OffloadConfig
+
+MEMINFO = "/proc/meminfo"
+_UNITS = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"))
+# A bare number this small is no byte count for a CPU tier: it reads as a GiB count ("did you mean 8GiB?").
+GIB_TYPO_BELOW = 1024
+
+
+def format_bytes(n: float) -> str:
+    """`n` bytes in the largest binary unit that keeps it >= 1, e.g. "32 KiB", "7.99 GiB", "10 TiB"."""
+    for size, unit in _UNITS:
+        if abs(n) >= size:
+            value = n / size
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def mem_available_bytes(path: str = MEMINFO) -> int | None:
+    """MemAvailable from /proc/meminfo in bytes, or None where the kernel does not say."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def num_cpu_blocks(config: OffloadConfig, bytes_per_block: int, world_size: int = 1) -> int:
@@ -16,12 +49,71 @@ def num_cpu_blocks(config: OffloadConfig, bytes_per_block: int, world_size: int 
         return config.num_cpu_blocks
     if bytes_per_block <= 0 or world_size <= 0:
         raise ValueError(f"bytes_per_block={bytes_per_block} and world_size={world_size} must be positive")
-    per_rank = int(config.cpu_bytes) // world_size
-    n = per_rank // bytes_per_block
+    cpu_bytes = int(config.cpu_bytes)
+    n = cpu_bytes // world_size // bytes_per_block
     if n < 2:
+        ranks = f" per rank x {world_size} ranks" if world_size > 1 else ""
+        hint = f"; did you mean {cpu_bytes}GiB?" if cpu_bytes < GIB_TYPO_BELOW else ""
         raise ConfigError(
             "cpu_bytes", config.cpu_bytes,
-            f">= {2 * bytes_per_block * world_size} bytes (2 blocks of {bytes_per_block} bytes per rank "
-            f"x {world_size} ranks)", "the CPU pool would hold fewer than 2 blocks",
+            f">= {format_bytes(2 * bytes_per_block * world_size)} ({2 * bytes_per_block * world_size} bytes: "
+            f"2 blocks of {format_bytes(bytes_per_block)}{ranks})",
+            f"the CPU pool would hold fewer than 2 blocks per rank; block 0 is reserved{hint}",
         )
     return n
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """What one rank's CPU tier holds: `num_cpu_blocks` includes the null block, `usable_blocks` not."""
+
+    num_cpu_blocks: int
+    bytes_per_block: int
+    block_size: int  # tokens per block
+    world_size: int
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_cpu_blocks - 1
+
+    @property
+    def tokens(self) -> int:
+        return self.usable_blocks * self.block_size
+
+    @property
+    def bytes_per_rank(self) -> int:
+        """Host memory of one rank's pool (the null block included: it is allocated too)."""
+        return self.num_cpu_blocks * self.bytes_per_block
+
+    def describe(self) -> str:
+        """E.g. "8.00 GiB per rank x 2 ranks = 262,143 blocks of 32 KiB = 4,194,288 tokens per rank"."""
+        ranks = f" x {self.world_size} ranks" if self.world_size > 1 else ""
+        return (f"{format_bytes(self.bytes_per_rank)} per rank{ranks} = {self.usable_blocks:,} blocks of "
+                f"{format_bytes(self.bytes_per_block)} = {self.tokens:,} tokens")
+
+
+def capacity(config: OffloadConfig, bytes_per_block: int, block_size: int, world_size: int = 1) -> Capacity:
+    return Capacity(num_cpu_blocks(config, bytes_per_block, world_size), bytes_per_block, block_size, world_size)
+
+
+def check_host_memory(config: OffloadConfig, cap: Capacity, ranks_on_host: int, available: int | None) -> None:
+    """Refuse a tier the host cannot hold: the pools of the `ranks_on_host` ranks this host runs must fit
+    in `available` bytes (MemAvailable; None: the kernel does not say, nothing is checked)."""
+    if available is None:
+        return
+    needed = cap.bytes_per_rank * ranks_on_host
+    if needed <= available:
+        return
+    ranks = f"{ranks_on_host} ranks' pools" if ranks_on_host > 1 else "the pool"
+    per_rank = f" ({format_bytes(available // ranks_on_host)} per rank)" if ranks_on_host > 1 else ""
+    if config.num_cpu_blocks is not None:
+        raise ConfigError(
+            "num_cpu_blocks", config.num_cpu_blocks,
+            f"<= {available // ranks_on_host // cap.bytes_per_block:,} blocks of {format_bytes(cap.bytes_per_block)} "
+            f"here: this host's MemAvailable is {format_bytes(available)}{per_rank}",
+            f"{ranks} would take {format_bytes(needed)}")
+    raise ConfigError(
+        "cpu_bytes", format_bytes(int(config.cpu_bytes)),
+        f"<= {format_bytes(available * cap.world_size // ranks_on_host)} here: this host's MemAvailable is "
+        f"{format_bytes(available)}{per_rank}",
+        f"{ranks} would take {format_bytes(needed)}; cpu_bytes is for the whole engine")

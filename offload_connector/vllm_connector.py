@@ -66,12 +66,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload_connector.metadata import TransferMetadata
+from offload_connector.remote_config import redact, remote_urls
+from offload_connector.sizing import Capacity, check_host_memory, mem_available_bytes
+from offload_connector.vllm_early_check import ranks_on_host
 from offload_connector.vllm_messages import OffloadConnectorMetadata, OffloadWorkerMetadata
 from offload_connector.vllm_setup import (
     KVCacheShape,
     adopt_vllm_logging,
     check_groups_config,
     check_vllm_version,
+    describe_config_source,
     describe_kv_cache,
     resolve_config,
 )
@@ -97,6 +101,28 @@ __all__ = ["OffloadConnector", "OffloadConnectorMetadata", "OffloadWorkerMetadat
 logger = logging.getLogger(__name__)
 
 
+def startup_line(role: str, extra: Any, config: Any, backend: str, capacity: Capacity) -> str:
+    """The one INFO line each role logs at start-up: where the config came from, what `transfer.backend`
+    resolved to, the store and eviction policies, and one rank's CPU tier in bytes, blocks and tokens."""
+    requested = config.transfer.backend
+    resolved = f"{requested} -> {backend}" if requested != backend else backend
+    remote = "" if config.remote is None else f"; remote tier {', '.join(map(redact, remote_urls(config.remote)))}"
+    return (f"OffloadConnector {role}: config from {describe_config_source(extra)}; transfer.backend={resolved}, "
+            f"store_policy={config.store_policy}, eviction={config.eviction}; CPU tier {capacity.describe()} "
+            f"(block_size={capacity.block_size}){remote}")
+
+
+def _backend_in_this_process(requested: str) -> str:
+    """What `transfer.backend` resolves to in this process (the workers resolve it the same way)."""
+    from worker_side.backend_select import resolve_backend_name
+    from worker_side.errors import BackendError
+
+    try:
+        return resolve_backend_name(requested)
+    except BackendError:
+        return f"{requested} (no CUDA device in this process)"
+
+
 class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     """CPU tier for vLLM's KV cache: evicted prefixes come back from host RAM instead of recomputation."""
 
@@ -110,7 +136,12 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = resolve_config(self._kv_transfer_config.kv_connector_extra_config)
         self.shape: KVCacheShape = describe_kv_cache(vllm_config, kv_cache_config)
         check_groups_config(self.config, self.shape)  # a hybrid model: eager stores, no remote tier
-        self.num_cpu_blocks = self.shape.num_cpu_blocks(self.config)
+        self.capacity = self.shape.capacity(self.config)  # raises for fewer than 2 blocks per rank
+        self.num_cpu_blocks = self.capacity.num_cpu_blocks  # the null block included
+        # Before any block exists: the host must hold its ranks' pools (the plugin checked the same from the
+        # model's config; this is vLLM's exact KV spec, and the check for set-ups without the plugin).
+        check_host_memory(self.config, self.capacity, ranks_on_host(vllm_config.parallel_config),
+                          mem_available_bytes())
         remote = None
         if self.config.remote is not None:  # the shared tier (remote_config.py); off by default
             from offload_connector.vllm_remote import vllm_remote_identity
@@ -123,18 +154,14 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
             self.connector_scheduler = SchedulerRole(vllm_config, self.config, self.shape,
                                                      self.num_cpu_blocks, remote)
+            backend = _backend_in_this_process(self.config.transfer.backend)
         else:
             from offload_connector.vllm_worker_role import WorkerRole
 
             self.connector_worker = WorkerRole(self.config, self.shape, self.num_cpu_blocks, remote)
-        cfg = self.config
-        logger.info(
-            "OffloadConnector %s: CPU tier %.2f GiB per rank x %d ranks = %d blocks of %d bytes per rank "
-            "(block_size=%d); store_policy=%s, eviction=%s, transfer.backend=%s",
-            role.name, self.num_cpu_blocks * self.shape.bytes_per_block / 2**30, self.shape.world_size,
-            self.num_cpu_blocks, self.shape.bytes_per_block, self.shape.block_size, cfg.store_policy,
-            cfg.eviction, cfg.transfer.backend,
-        )
+            backend = self.connector_worker.worker.backend.name
+        logger.info("%s", startup_line(role.name, self._kv_transfer_config.kv_connector_extra_config, self.config,
+                                       backend, self.capacity))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:

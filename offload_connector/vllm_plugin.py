@@ -8,16 +8,21 @@
   connector class is looked up. A name already taken by vLLM itself (a future built-in
   `OffloadConnector`) is left alone with a warning: set `kv_connector_module_path` to pick ours.
 - It wraps `EngineArgs.create_engine_config`, which every vLLM entry point (`LLM`, the OpenAI server,
-  `vllm serve`) calls to build its `VllmConfig`, in the process the user started, so that our config is
-  checked as soon as vLLM's config exists (ours alone or as a child of `MultiConnector`):
-  `check_engine_config` checks the installed vLLM's version
-  (`UnsupportedSetupError` outside the supported range), parses `kv_connector_extra_config` (and
-  the YAML file it names) and raises our `ConfigError` there, before the engine core, the workers, the
-  model or any cache exist. vLLM loads plugins before that call (`EngineArgs.__post_init__`). The only
-  connector hook vLLM calls with our config earlier is `requires_piecewise_for_cudagraph`, inside
-  `VllmConfig.__post_init__` and only on GPUs with CUDA graphs; it checks too, and the wrapper re-raises
-  our `ConfigError` from the pydantic `ValidationError` that wraps it there. Without the plugin the
-  connector still checks when vLLM creates it, after the model is loaded.
+  `vllm serve`) calls to build its `VllmConfig`, in the process the user started, so that a mistake stops
+  start-up before the engine core, the workers, the model or any cache exist (vllm_early_check.py):
+  before vLLM builds its config, vLLM's own offload flags beside ours are refused and our config is
+  parsed (ours selected directly); after, `check_engine_config` checks the installed vLLM's version
+  (`UnsupportedSetupError` outside the supported range), parses our config (also as a child of
+  `MultiConnector`) and sizes the CPU tier against the model's KV shape and the host's MemAvailable.
+  vLLM loads plugins before that call (`EngineArgs.__post_init__`). The only connector hook vLLM calls
+  with our config earlier is `requires_piecewise_for_cudagraph`, inside `VllmConfig.__post_init__` and
+  only on GPUs with CUDA graphs; it checks too, and the wrapper re-raises our `ConfigError` from the
+  pydantic `ValidationError` that wraps it there. Without the plugin the connector still checks when vLLM
+  creates it, after the model is loaded.
+- A refusal is one line: the server entry points (`usage_context` API_SERVER, OPENAI_API_SERVER,
+  OPENAI_BATCH_RUNNER: command lines, like argparse's errors) exit with status 1 and print only
+  `ConfigError: <message>`; in a Python program (`LLM`, engine code) the error is raised with no frames of
+  ours, so its traceback is the caller's and its last line is the message.
 
 Registering and wrapping are idempotent (vLLM may call plugins several times). Imports vLLM only inside
 the functions, and never imports our connector module itself (vLLM's factory does, for a config that
@@ -33,13 +38,26 @@ from collections.abc import Callable
 from typing import Any
 
 from offload_connector.config import ConfigError
-from offload_connector.vllm_setup import check_vllm_version, resolve_config
+from offload_connector.sizing import mem_available_bytes
+from offload_connector.vllm_early_check import (
+    CONNECTOR_NAME,
+    MODULE_PATH,
+    check_capacity,
+    check_engine_args,
+    selects_ours,
+)
+from offload_connector.vllm_setup import (
+    UnsupportedSetupError,
+    check_vllm_version,
+    keeps_hybrid_manager,
+    resolve_config,
+)
 
 logger = logging.getLogger(__name__)
 
-CONNECTOR_NAME = "OffloadConnector"
-MODULE_PATH = "offload_connector.vllm_connector"
 _CHECKS_CONFIG = "_offload_connector_checks_config"  # marks our wrapper of create_engine_config
+# vLLM's usage contexts of its command-line servers: there a refusal exits with one line, no traceback.
+COMMAND_LINE_CONTEXTS = ("API_SERVER", "OPENAI_API_SERVER", "OPENAI_BATCH_RUNNER")
 
 
 def register() -> None:
@@ -48,16 +66,10 @@ def register() -> None:
     loader = getattr(KVConnectorFactory, "_registry", {}).get(CONNECTOR_NAME)
     if loader is None:
         KVConnectorFactory.register_connector(CONNECTOR_NAME, MODULE_PATH, CONNECTOR_NAME)
-    elif not _is_ours(loader):
+    elif not selects_ours(CONNECTOR_NAME, None):
         logger.warning("vLLM already registers a connector named %s; set kv_connector_module_path=%r to "
                        "use offload-connector's", CONNECTOR_NAME, MODULE_PATH)
     install_config_check()
-
-
-def _is_ours(loader: object) -> bool:
-    """Whether a registry entry is the lazy loader this function registered (closure holds our path)."""
-    closure = getattr(loader, "__closure__", None) or ()
-    return any(getattr(cell, "cell_contents", None) == MODULE_PATH for cell in closure)
 
 
 def install_config_check() -> bool:
@@ -79,19 +91,32 @@ def install_config_check() -> bool:
 def _checking(create: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        keep_hma_off_for_one_group_configs(self)
+        usage_context = kwargs.get("usage_context", args[0] if args else None)
         try:
-            vllm_config = create(self, *args, **kwargs)
-        except ValueError as err:
-            ours = _config_error_in(err)
-            if ours is None:
-                raise
-            raise ours from None  # our message as the last line, not pydantic's framing of it
-        check_engine_config(vllm_config)
+            check_engine_args(self)
+            keep_hma_off_for_one_group_configs(self)
+            try:
+                vllm_config = create(self, *args, **kwargs)
+            except ValueError as err:
+                ours = _config_error_in(err)
+                if ours is None:
+                    raise
+                raise ours from None  # our message as the last line, not pydantic's framing of it
+            check_engine_config(vllm_config)
+        except (ConfigError, UnsupportedSetupError) as err:
+            raise refusal(err, usage_context) from None
         return vllm_config
 
     setattr(create_engine_config, _CHECKS_CONFIG, True)
     return create_engine_config
+
+
+def refusal(err: ConfigError | UnsupportedSetupError, usage_context: Any) -> BaseException:
+    """What stops start-up with `err` as one line: for a command-line server a `SystemExit` (status 1)
+    that prints only `ConfigError: <message>`; anywhere else `err` without our frames in its traceback."""
+    if getattr(usage_context, "name", usage_context) in COMMAND_LINE_CONTEXTS:
+        return SystemExit(f"{type(err).__name__}: {err}")
+    return err.with_traceback(None)
 
 
 def keep_hma_off_for_one_group_configs(engine_args: Any) -> None:
@@ -110,7 +135,7 @@ def keep_hma_off_for_one_group_configs(engine_args: Any) -> None:
         config = resolve_config(ktc.kv_connector_extra_config)
     except ConfigError:
         return  # raised by check_engine_config once vLLM's config exists, as for any bad key
-    if config.store_policy == "eager" and config.remote is None:
+    if keeps_hybrid_manager(config):
         return
     engine_args.disable_hybrid_kv_cache_manager = True
     why = f"store_policy: {config.store_policy}" if config.store_policy != "eager" else "a remote tier"
@@ -135,7 +160,8 @@ def _config_error_in(err: ValueError) -> ConfigError | None:
 def check_engine_config(vllm_config: Any) -> None:
     """If `vllm_config` selects our connector, alone or as a child of vLLM's `MultiConnector`: raise
     `UnsupportedSetupError` when the installed vLLM is outside the supported range, `ConfigError` when our
-    config is bad. Parses only."""
+    config is bad or its CPU tier holds fewer than 2 blocks of this model per rank or more than this host's
+    MemAvailable. Parses and sizes only."""
     kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
     if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
         return
@@ -143,7 +169,8 @@ def check_engine_config(vllm_config: Any) -> None:
         ours = sys.modules.get(MODULE_PATH)  # imported by vLLM's lookup if the class is ours or a subclass
         if ours is not None and isinstance(connector_cls, type) and issubclass(connector_cls, ours.OffloadConnector):
             check_vllm_version()
-            resolve_config(config.kv_transfer_config.kv_connector_extra_config)
+            ours_config = resolve_config(config.kv_transfer_config.kv_connector_extra_config)
+            check_capacity(config, ours_config, mem_available_bytes())
 
 
 def _connectors_of(vllm_config: Any) -> list[tuple[Any, Any]]:

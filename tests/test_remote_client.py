@@ -236,3 +236,35 @@ def test_lookups_batch_questions_and_stop_at_each_ones_first_miss(redis_server) 
     lookups.cancel(cancelled)
     lookups.close()
     assert lookups.take(cancelled) is None and client.counters.errors == 0
+
+
+# ---- the server's memory figures (capacity and occupancy gauges) ---------------------------------------
+def test_server_memory_reads_used_and_max_from_the_server(redis_server) -> None:  # noqa: F811
+    client = RemoteClient(remote_cfg(redis_server.url))
+    used, limit = client.server_memory()
+    assert 0 < used < limit
+    assert limit == 64 * 2**20  # the fixture's maxmemory 64mb
+    lookups = RemoteLookups(RemoteClient(remote_cfg(redis_server.url)), "p", world_size=1)
+    try:
+        for _ in range(10_000):  # the thread reads the figures at once, then every MEMORY_POLL_S
+            if lookups.server_memory != (0, 0):
+                break
+            time.sleep(0.001)
+        assert lookups.server_memory[1] == 64 * 2**20 and lookups.server_memory[0] > 0
+    finally:
+        lookups.close()
+
+
+def test_server_memory_sums_a_clusters_primaries(redis_cluster) -> None:  # noqa: F811
+    used, limit = RemoteClient(remote_cfg([n.url for n in redis_cluster])).server_memory()
+    assert limit == 64 * 2**20 * len(redis_cluster) and used > 0
+
+
+def test_server_memory_is_none_while_the_server_is_down_and_leaves_the_breaker_alone(redis_server) -> None:  # noqa: F811
+    """A gauge's poll must not count errors or open the breaker: lookups and fetches decide on those."""
+    client = RemoteClient(remote_cfg(redis_server.url))
+    redis_server.stop()
+    assert client.server_memory() is None
+    assert client.breaker.state == CLOSED and client.counters.errors == 0
+    client.breaker.on_failure()  # opened by a lookup: the poll asks nothing
+    assert client.breaker.state == OPEN and client.server_memory() is None

@@ -89,7 +89,7 @@ def test_plot_writes_a_png_or_explains_the_missing_extra(tmp_path: Path,
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        assert code == 2 and "pip install 'offload-connector[plot]'" in capsys.readouterr().err
+        assert code == 2 and "--plot needs matplotlib (the [plot] extra): pip install matplotlib" in capsys.readouterr().err
         return
     assert code == 0 and png.read_bytes()[:4] == b"\x89PNG"
 
@@ -214,3 +214,46 @@ def test_a_broken_gzip_trace_is_one_error_line(tmp_path, capsys) -> None:
     path.write_bytes(b"\x1f\x8b not really gzip")
     code, _, err = replay_exit(capsys, "--trace", str(path))
     assert code == 2 and err.startswith("error: ") and "cannot read" in err
+
+
+def test_a_byte_size_cpu_bytes_does_not_buy_millions_of_fake_blocks(tmp_path, capsys) -> None:
+    """Issue 30 item 10: the README's `cpu_bytes: 8GiB` bought 4,194,304 of the fake model's tiny blocks
+    (65% hit ratio instead of 27%). The fake engine keeps its own sizing and says so on stderr."""
+    path = tmp_path / "offload.yaml"
+    path.write_text("cpu_bytes: 8GiB\nstore_policy: lazy\n")
+    out = run_json(capsys, "--config", str(path), "--limit", "50")
+    assert out["cpu_blocks"] == 4392 and "bundled trace's default" in out["sizes_from"]["cpu_blocks"]
+    assert out["sizes_from"]["cpu_bytes"].startswith("not used")
+    _, err = replay_exit(capsys, "--config", str(path), "--limit", "5", "--trace", str(bundled_trace_path()))[1:]
+    assert err.startswith(f"note: cpu_bytes in {path} sizes the CPU tier under vLLM, not here: the fake engine "
+                          "keeps 65,536 CPU blocks, the embedded default.yaml's engine.num_cpu_blocks")
+    path.write_text("cpu_bytes: 8GiB\nnum_cpu_blocks: 100\n")  # a block count in the file wins, silently
+    out = run_json(capsys, "--config", str(path), "--limit", "50")
+    assert out["cpu_blocks"] == 100 and "cpu_bytes" not in out["sizes_from"]
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(("plot", "message"), [
+    ("{tmp}/missing/hits.png", "--plot: cannot write '{tmp}/missing/hits.png': No such file or directory"),
+    ("{tmp}", "--plot: cannot write '{tmp}': Is a directory"),
+])
+def test_an_unwritable_plot_fails_before_the_run(tmp_path, capsys, plot: str, message: str) -> None:
+    """Issue 30 item 10: it failed after the whole run."""
+    code, out, err = replay_exit(capsys, "--plot", plot.format(tmp=tmp_path))
+    assert code == 2 and out == "" and err == f"error: {message.format(tmp=tmp_path)}\n"
+
+
+def test_a_plot_format_matplotlib_cannot_write_fails_before_the_run(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    code, out, err = replay_exit(capsys, "--plot", str(tmp_path / "hits.pnj"))
+    assert code == 2 and out == "" and err.startswith(f"error: --plot: got '{tmp_path / 'hits.pnj'}'; allowed: a file ")
+    assert not (tmp_path / "hits.pnj").exists()
+
+
+@pytest.mark.parametrize(("name", "hint"), [
+    ("agentc", "did you mean 'agentic'? "), ("synthtic", "did you mean 'synthetic'? "), ("nothing", ""),
+])
+def test_a_mistyped_trace_name_suggests_the_bundled_ones(capsys, name: str, hint: str) -> None:
+    code, _, err = replay_exit(capsys, "--trace", name)
+    assert code == 2 and err == (f"error: --trace: got {name!r}: no such file and no bundled trace of that name; "
+                                 f"{hint}allowed: a trace file, or a bundled trace: synthetic, agentic\n")

@@ -143,6 +143,9 @@ def run_shared(llm: LLM) -> dict:
     result["steps_to_compute"] = recorder.admission_to_first_compute()
     result["prom"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
                       if m.name.startswith("vllm:offload_connector_")}
+    from offload_connector.vllm_early_check import estimated_bytes_per_block
+
+    result["bytes_per_block"] = (estimated_bytes_per_block(llm.llm_engine.vllm_config), connector.shape.bytes_per_block)
     # Sensitivity: corrupt every stored block, then hit it.
     result["sens"] = [generate(llm, p) for p in SENSITIVITY]
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -225,3 +228,20 @@ def test_lazy_arc_outputs_match_and_its_blocks_come_back(runs: dict) -> None:
     stats = runs["lazy_arc_stats"]
     assert stats["num_stored_blocks"] > 0 and stats["num_loaded_blocks"] > 0
     assert stats["num_failed_load_blocks"] == 0 and stats["num_failed_store_blocks"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_series_is_exported_with_capacity_occupancy_and_hit_rate(runs: dict, mode: str) -> None:
+    """Issue 30: every counter and gauge exists (untouched ones at 0), the hit rate is a series of its own,
+    and the capacity gauges agree with the start-up line (64 MiB of 32 KiB blocks: 2,047 usable)."""
+    from offload_connector.vllm_stats import COUNTERS, GAUGES, PROM_PREFIX
+
+    prom, stats = runs[mode]["prom"], runs[mode]["stats"]
+    assert set(prom) == {PROM_PREFIX + name for name in COUNTERS + GAUGES}
+    assert prom[PROM_PREFIX + "num_failed_load_blocks"] == 0 and prom[PROM_PREFIX + "remote_errors"] == 0
+    assert prom[PROM_PREFIX + "cpu_blocks_total"] == 2047
+    assert prom[PROM_PREFIX + "cpu_capacity_bytes"] == 2047 * 32768
+    assert prom[PROM_PREFIX + "cpu_cached_bytes"] == prom[PROM_PREFIX + "cpu_blocks_cached"] * 32768 > 0
+    assert prom[PROM_PREFIX + "cpu_hit_rate"] == round(stats["num_hit_tokens"] / stats["num_lookup_tokens"], 4) > 0
+    early, connector = runs[mode]["bytes_per_block"]
+    assert early == connector == 32768  # the start-up check sized blocks as vLLM's KV spec does

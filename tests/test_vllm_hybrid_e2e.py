@@ -120,6 +120,9 @@ def run(llm_and_warnings: tuple[LLM, list[str]]) -> dict:
         worker = get_kv_transfer_group().worker
         result["worker_bytes_per_block"] = worker.bytes_per_block
         result["scheduler_bytes_per_block"] = connector.shape.bytes_per_block
+        from offload_connector.vllm_early_check import estimated_bytes_per_block
+
+        result["early_bytes_per_block"] = estimated_bytes_per_block(llm.llm_engine.vllm_config)
         worker.host_pool.buffer.fill_(0x47)  # float32 ~ 4.7e4 everywhere
     loaded = connector.offload.stats.num_loaded_blocks if connector is not None else 0
     result["corrupted"] = list(llm.generate([{"prompt_token_ids": CORRUPTED}], GREEDY,
@@ -156,6 +159,15 @@ def test_hma_stays_on_with_the_connector(runs: dict) -> None:
     # The handler does catch vLLM's warnings (the check above is not vacuous): the base class logs one.
     assert any("Initializing KVConnectorBase_V1" in m for m in runs["connector"]["warnings"])
     assert runs["connector"]["scheduler_bytes_per_block"] == runs["connector"]["worker_bytes_per_block"]
+
+
+def test_the_start_up_check_sizes_blocks_as_the_connector_does(runs: dict) -> None:
+    """The plugin's check before the engine starts reads the block size from the model's config: with HMA on
+    a block holds one group's 2 layers (32 KiB), with it off (lazy) all 4 (64 KiB), as vLLM's KV spec says."""
+    for name, expected in (("connector", 32768), ("lazy", 65536)):
+        run = runs[name]
+        assert run["early_bytes_per_block"] == run["scheduler_bytes_per_block"] == run["worker_bytes_per_block"] \
+            == expected
 
 
 def test_greedy_outputs_match_without_connector(runs: dict) -> None:

@@ -154,16 +154,19 @@ def test_cpu_eviction_publishes_block_removed(mode: str) -> None:
 
 
 def test_stats_reach_vllm_every_n_steps_and_when_quiet() -> None:
-    """The tracker reports deltas every `every` steps (sums unchanged) and at once on `flush`."""
+    """The tracker reports at the first step (so the capacity gauges are set from then, counters or not),
+    then deltas every `every` steps (sums unchanged) and at once on `flush`."""
     from offload_connector.vllm_stats import COUNTERS, StatsTracker
 
     tracker, total = StatsTracker(every=4), [0] * len(COUNTERS)
     assert COUNTERS[0] == "num_lookups"
-    gauges = dict  # no gauges: only the counters matter here
 
     def values() -> tuple[int, ...]:
         return tuple(total)
 
+    first = tracker.take(values, lambda: {"cpu_blocks_total": 31})
+    assert first is not None and first.counters == {} and first.gauges == {"cpu_blocks_total": 31}
+    gauges = dict  # no gauges: only the counters matter from here
     reports = []
     for _ in range(10):
         total[0] += 1

@@ -193,6 +193,8 @@ def test_auto_backend_is_cpu_without_cuda():
 
 
 def test_a_pool_too_big_for_the_machine_is_explained_in_gib():
-    """Issue 12 item 7: the message quoted raw byte counts."""
-    with pytest.raises(HostPoolError, match=r"= 1024.00 GiB does not fit in available memory \(1.00 GiB"):
+    """Issue 12 item 7: the message quoted raw byte counts; issue 30: and a 32 KiB block as "0.03 MiB"."""
+    with pytest.raises(HostPoolError, match=r"1,048,576 blocks x 1 MiB = 1 TiB does not fit in available memory \(1 GiB"):
         check_pool_size(1 << 20, 1 << 20, available=1 << 30)
+    with pytest.raises(HostPoolError, match=r"x 32 KiB = 10 TiB does not fit"):
+        check_pool_size(10 * 2**40 // 2**15, 2**15, available=1 << 30)

@@ -120,9 +120,9 @@ class TorchCudaRuntime:
         try:
             from cuda.bindings import driver
         except ImportError as exc:
-            raise BackendError("transfer.backend cuda needs cuda-bindings (pip install "
-                               "'offload-connector[cuda12]' or '[cuda13]', matching the driver); allowed here: "
-                               "transfer.backend cpu") from exc
+            raise BackendError("transfer.backend cuda needs cuda-bindings (the [cuda12] or [cuda13] extra, "
+                               "matching the driver: pip install 'cuda-bindings>=12.8,<13' or 'cuda-bindings>=13,<14'); "
+                               "allowed here: transfer.backend cpu") from exc
         self._drv = driver
         self._tls = threading.local()
         self._batch_fn, self._batch_has_fail_idx = self._resolve_batch()

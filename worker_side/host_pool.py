@@ -25,24 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from offload_connector.sizing import MEMINFO, format_bytes, mem_available_bytes  # noqa: F401 - re-exported
 from worker_side.block_layout import TensorBlockView
 from worker_side.errors import HostPoolError
 from worker_side.host_memory import PAGE_BYTES, align_up, allocate_host_buffer
 
-MEMINFO = "/proc/meminfo"
 MAX_REGISTRATION_BYTES = 64 << 30
-
-
-def mem_available_bytes(path: str = MEMINFO) -> int | None:
-    """MemAvailable from /proc/meminfo in bytes, or None where the kernel does not say."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def check_pool_size(num_cpu_blocks: int, bytes_per_block: int, available: int | None,
@@ -56,9 +44,9 @@ def check_pool_size(num_cpu_blocks: int, bytes_per_block: int, available: int | 
     nbytes = num_cpu_blocks * bytes_per_block if buffer_bytes is None else buffer_bytes
     if available is not None and nbytes > available:
         raise HostPoolError(
-            f"host pool of {num_cpu_blocks} blocks x {bytes_per_block / 2**20:.2f} MiB = {nbytes / 2**30:.2f} GiB "
-            f"does not fit in available memory ({available / 2**30:.2f} GiB, MemAvailable); allowed: cpu_bytes / "
-            f"num_cpu_blocks giving <= {available // bytes_per_block} blocks")
+            f"host pool of {num_cpu_blocks:,} blocks x {format_bytes(bytes_per_block)} = {format_bytes(nbytes)} "
+            f"does not fit in available memory ({format_bytes(available)}, MemAvailable); allowed: cpu_bytes / "
+            f"num_cpu_blocks giving <= {available // bytes_per_block:,} blocks")
     return nbytes
 
 
