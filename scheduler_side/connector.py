@@ -291,9 +291,13 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
 
     # ------------------------------------------------------------------ 5. finish, preempt
     def request_finished(self, request: RequestLike) -> tuple[bool, dict | None]:
-        """The engine may free the request's blocks now: in-flight transfers hold their own references."""
+        """The engine may free the request's blocks now: in-flight transfers hold their own references.
+
+        A request already finished while its load runs (FINISHED: a second call for it, or a new request
+        under its id aborted while that load runs) changes nothing: the first call did the work, and the
+        state stays until the load completes and gives its GPU and CPU references back."""
         state = self._requests.get(request.request_id)
-        if state is None:
+        if state is None or state.phase is Phase.FINISHED:
             return False, None
         self._drop_pending_hit(state)
         if self.remote is not None:
