@@ -89,7 +89,7 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
             check_groups_supported(self.config, self.groups)
             self.group_id = self.groups[0].group_id  # admission and ARC judge content by group 0's keys
         self.cpu_pool = BlockPool(self.num_cpu_blocks, on_evict=self._on_cpu_evict,
-                                  eviction=self.config.eviction,
+                                  eviction=self.config.eviction, empty_first=True,
                                   history=self.num_cpu_blocks + (self.num_gpu_blocks or self.num_cpu_blocks))
         # Remembers the keys of several times what both tiers hold: a superseded branch is recent.
         self.admission = AdmissionFilter(4 * (self.num_cpu_blocks + (self.num_gpu_blocks or self.num_cpu_blocks)),

@@ -241,15 +241,16 @@ def test_lazy_held_blocks_go_to_the_head_of_the_gpu_queue_once_saved():
     assert free_ids(gpu) == ids[:2] + [ids[2]]  # saved copies are evicted first
 
 
-def test_lazy_frees_a_loaded_blocks_cpu_copy_to_the_head_even_without_pressure():
+def test_lazy_frees_a_loaded_blocks_cpu_copy_before_older_content_but_behind_empty_blocks():
     sched, gpu = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=20, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=20)
-    a = FakeRequest("A", list(range(9)), BS)
-    _, _, ids = admit(sched, gpu, a)
-    sched.build_connector_meta([step_done("A", ids, 9)])
-    finish(sched, gpu, a, ids)
-    meta = sched.build_connector_meta([])  # A's free blocks are within the lookahead: stored
-    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    for rid, first in (("C", 100), ("A", 0)):  # C's 2 full blocks on the CPU, then A's (more recent)
+        req = FakeRequest(rid, list(range(first, first + 9)), BS)
+        _, _, ids = admit(sched, gpu, req)
+        sched.build_connector_meta([step_done(rid, ids, 9)])
+        finish(sched, gpu, req, ids)
+        meta = sched.build_connector_meta([])  # its free blocks are within the lookahead: stored
+        sched.update_connector_output(report(completed_store_events=[meta.store_event]))
     for blk in list(gpu.free_queue):
         gpu.uncache(blk)  # the GPU copies are evicted
     b = FakeRequest("B", list(range(9)), BS)
@@ -257,8 +258,11 @@ def test_lazy_frees_a_loaded_blocks_cpu_copy_to_the_head_even_without_pressure()
     assert hit == 8
     load = sched.build_connector_meta([])
     sched.update_connector_output(report(finished_load_reqs=["B"]))
-    assert sched.cpu_pool.num_evictions == 0 and len(sched.cpu_pool.cached) == 2  # no pressure: kept
-    assert free_ids(sched.cpu_pool)[:2] == load.load_cpu_blocks  # but first in line: the GPU holds them
+    pool = sched.cpu_pool
+    assert pool.num_evictions == 0 and len(pool.cached) == 4  # no pressure: kept
+    order = [(blk.block_id, blk.block_hash is not None) for blk in pool.free_queue]
+    assert order[:15] == [(i, False) for i, _ in order[:15]]  # the 15 empty blocks come first
+    assert [i for i, _ in order[15:17]] == load.load_cpu_blocks  # then A's copies, before C's older ones
     finish(sched, gpu, b, b_ids)
 
 
