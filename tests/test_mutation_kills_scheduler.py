@@ -113,7 +113,7 @@ def test_arc_hints_use_the_schedulers_group_id():
 
     group = 3
     gpu = BlockPool(64)
-    sched = OffloadScheduler(load_config({"num_cpu_blocks": 6, "eviction": "arc"}), BS, 6, BlockPoolGpuView(gpu),
+    sched = OffloadScheduler(load_config({"store_policy": "eager", "num_cpu_blocks": 6, "eviction": "arc"}), BS, 6, BlockPoolGpuView(gpu),
                              group_id=group)
     q = sched.cpu_pool.free_queue
 
@@ -155,7 +155,7 @@ def sched_with_group(group: int, **overrides):
     from scheduler_side import BlockPoolGpuView, OffloadScheduler
 
     gpu = BlockPool(64)
-    config = load_config({"num_cpu_blocks": 16, **overrides})
+    config = load_config({"store_policy": "eager", "num_cpu_blocks": 16, **overrides})
     return OffloadScheduler(config, BS, 16, BlockPoolGpuView(gpu), group_id=group), gpu
 
 
@@ -531,7 +531,7 @@ def test_block_size_and_world_size_must_be_positive():
     from offload_connector.config import load_config
     from scheduler_side import BlockPoolGpuView, OffloadScheduler
 
-    config, gpu = load_config({"num_cpu_blocks": 4}), BlockPoolGpuView(BlockPool(8))
+    config, gpu = load_config({"store_policy": "eager", "num_cpu_blocks": 4}), BlockPoolGpuView(BlockPool(8))
     for block_size, world_size in ((0, 1), (1, 0), (-1, 1), (1, -2)):
         with pytest.raises(ValueError, match="must be positive"):
             OffloadScheduler(config, block_size, 4, gpu, world_size)
@@ -545,7 +545,7 @@ def test_arc_remembers_reused_keys_of_both_tiers():
     from scheduler_side import BlockPoolGpuView, OffloadScheduler
     from scheduler_side.arc_queue import T2
 
-    sched = OffloadScheduler(load_config({"num_cpu_blocks": 6, "eviction": "arc"}), BS, 6,
+    sched = OffloadScheduler(load_config({"store_policy": "eager", "num_cpu_blocks": 6, "eviction": "arc"}), BS, 6,
                              BlockPoolGpuView(BlockPool(40)), num_gpu_blocks=40)
     pool = sched.cpu_pool
     for k in range(30):
