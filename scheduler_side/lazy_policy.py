@@ -7,10 +7,10 @@ request, the saved blocks within a deferred admission's span have their CPU copi
 before the step's stores take CPU blocks (the admission drops them from the GPU next step: in an exclusive
 tier they are newer than anything on the CPU, and a copy the stores evicted would be lost then).
 CPU copies of blocks that were just loaded to the GPU, or that an admitted request hit on the GPU, are
-forgotten and go to the head of the CPU free queue (the GPU holds them now; the tiers stay mostly
-exclusive) once the CPU tier is under pressure: it has evicted a block, which the CPU pool does only once
-no empty block is free (`BlockPool(empty_first=True)`): the tier filled up. Until then a loaded block's
-copy is kept and goes to the eviction end of the cached blocks, still behind every empty block. A quiet
+forgotten (empty room, taken first; the GPU holds them now; the tiers stay mostly exclusive) once the CPU
+tier is under pressure: it has evicted a block, which the CPU pool does only once no empty block is free
+(`BlockPool(empty_first=True)`): the tier filled up. Until then a loaded block's copy is kept as the most
+recently used content: once the GPU evicts that block, this copy is the one the tier has. A quiet
 spell does not end the pressure: a copy kept then sits on both tiers once the tier is busy again, and
 when the GPU evicts that block its copy is where the CPU last saw it, not the newest.
 
@@ -44,7 +44,6 @@ ADMIT_WEIGHT = 0.1  # weight of this step's largest admission in their mean
 
 
 class LazyStorePolicy(StorePolicy):
-    cpu_copy_worthless_after_load = True
     gpu_copy_worthless_after_store = True
 
     def __init__(self, view: PolicyView) -> None:

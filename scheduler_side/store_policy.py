@@ -82,7 +82,6 @@ class StorePicks:
 
 
 class StorePolicy:
-    cpu_copy_worthless_after_load = False  # a loaded block's CPU copy goes to the head of the CPU queue
     gpu_copy_worthless_after_store = False  # a stored block goes to the head of the GPU free queue
 
     def __init__(self, view: PolicyView) -> None:
