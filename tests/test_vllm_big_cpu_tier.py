@@ -5,6 +5,8 @@ blocks of 32 KiB). Three prefixes of 192 tokens (6 blocks), each used three time
 of 192 tokens after every request, one request at a time: every prefix leaves vLLM's GPU cache between
 its uses and must come back from the CPU tier. The tier never fills, so it must evict nothing, and lazy
 must hit (the connector's `num_hit_tokens`) at least what eager hits: every reused prefix token.
+With `cpu_bytes: 1MiB` (31 CPU blocks, twice the GPU's) the tier fills: there lazy, which keeps mostly what
+the GPU does not, hits more than eager, whose tier repeats the GPU's blocks.
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ for rnd in range(3):
         PROMPTS.append((False, tokens(200 + 10 * rnd + p, PREFIX_TOKENS)))  # a one-off prompt
 
 
-def run(store_policy: str) -> dict:
+def run(store_policy: str, cpu_bytes: str = "1GiB") -> dict:
     kv = KVTransferConfig(
         kv_connector="OffloadConnector", kv_connector_module_path="offload_connector.vllm_connector",
-        kv_role="kv_both", kv_connector_extra_config={"cpu_bytes": "1GiB", "store_policy": store_policy})
+        kv_role="kv_both", kv_connector_extra_config={"cpu_bytes": cpu_bytes, "store_policy": store_policy})
     llm = LLM(model=MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, block_size=32, enforce_eager=True,
               max_model_len=256, num_gpu_blocks_override=16, max_num_seqs=4, max_num_batched_tokens=256, seed=0,
               dtype="float32", kv_transfer_config=kv)
@@ -69,17 +71,25 @@ def run(store_policy: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    return {policy: run(policy) for policy in ("eager", "lazy")}
+    return {(policy, size): run(policy, size) for policy in ("eager", "lazy") for size in ("1GiB", "1MiB")}
 
 
 def test_the_tier_is_far_larger_than_the_working_set(runs: dict) -> None:
-    assert runs["lazy"]["num_cpu_blocks"] == 32768  # 1 GiB / 32 KiB (block 0 is the null block)
+    assert runs[("lazy", "1GiB")]["num_cpu_blocks"] == 32768  # 1 GiB / 32 KiB (block 0 is the null block)
+    assert runs[("lazy", "1MiB")]["num_cpu_blocks"] == 32
 
 
 def test_lazy_evicts_nothing_and_hits_at_least_what_eager_hits(runs: dict) -> None:
-    eager, lazy = runs["eager"], runs["lazy"]
+    eager, lazy = runs[("eager", "1GiB")], runs[("lazy", "1GiB")]
     assert eager["stats"]["num_cpu_evictions"] == 0 and lazy["stats"]["num_cpu_evictions"] == 0
     assert eager["stats"]["num_hit_tokens"] == eager["wanted"] == 6 * PREFIX_TOKENS  # every reuse, from the CPU
     assert lazy["stats"]["num_hit_tokens"] >= eager["stats"]["num_hit_tokens"]
     assert lazy["cached"] >= eager["cached"] == eager["wanted"]  # vLLM's count: GPU and CPU hits
     assert lazy["outputs"] == eager["outputs"]
+
+
+def test_with_a_tier_that_fills_lazy_hits_more_than_eager(runs: dict) -> None:
+    eager, lazy = runs[("eager", "1MiB")], runs[("lazy", "1MiB")]
+    assert lazy["stats"]["num_cpu_evictions"] > 0 and eager["stats"]["num_cpu_evictions"] > 0  # the tier filled
+    assert lazy["cached"] > eager["cached"]
+    assert lazy["outputs"] == eager["outputs"] == runs[("eager", "1GiB")]["outputs"]
