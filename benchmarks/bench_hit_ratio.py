@@ -1,10 +1,11 @@
 """Hit ratio per bundled trace and CPU-tier policy, against the engine's exclusive ceiling and Belady's MIN.
 
-For each bundled trace (`synthetic`, `agentic`), scaled, GPU 5% + CPU 10% of its distinct blocks, one request
-at a time (`max_num_seqs: 1`) and 64 at once, this replays (the same `run_replay` as `offload-connector
-replay`):
+For each bundled trace (`synthetic`, `agentic`), scaled, GPU 5% of its distinct blocks and a CPU tier of
+each `--cpu-sizes` fraction of them (default 0.1: 10%; 10 and 100 give tiers 10x and 100x the trace), one
+request at a time (`max_num_seqs: 1`) and 64 at once, this replays (the same `run_replay` as
+`offload-connector replay`):
 - `ceiling`: the engine's exclusive ceiling: a GPU of GPU + CPU blocks and no CPU tier;
-- `eager`, `lazy`, `arc` (lazy with `eviction: arc`): `branch_filter: false`, no session closes;
+- `eager`, `lazy`, `arc` (lazy with `eviction: arc`), `eager+arc`: `branch_filter: false`, no session closes;
 - `lazy+filter`: lazy with the superseded-branch filter (`branch_filter: true`), no session closes;
 - `lazy+filter+close` (traces with sessions): the same, each session closed after its last request.
 Every replay must end with 0 integrity errors and 0 leaked blocks, or the script fails.
@@ -21,7 +22,8 @@ capped to leave one prompt token to compute):
 `lru gap closed` = (replay - lru) / (min - lru);
 `vs ceiling` = replay / ceiling.
 
-    nice python benchmarks/bench_hit_ratio.py [--traces synthetic,agentic] [--jobs 2] [--json]
+    nice python benchmarks/bench_hit_ratio.py [--traces synthetic,agentic] [--cpu-sizes 0.1,10,100]
+                                              [--series ...] [--concurrency 1,64] [--jobs 2] [--json]
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ SERIES = {
     "lazy+filter": ("lazy", "lru", True, False),
     "lazy+filter+close": ("lazy", "lru", True, True),
     "arc": ("lazy", "arc", False, False),
+    "eager+arc": ("eager", "arc", False, False),
 }
 CONCURRENCY = (1, 64)
 
@@ -213,7 +216,8 @@ def _replay_point(point: dict[str, Any]) -> dict[str, Any]:
             "stored_blocks": d["connector"].get("num_stored_blocks", 0),
             "dropped_blocks": d["connector"].get("num_dropped_blocks", 0),
             "demoted_blocks": d["connector"].get("num_demoted_blocks", 0),
-            "deferred_lookups": d["connector"].get("num_deferred_lookups", 0)}
+            "deferred_lookups": d["connector"].get("num_deferred_lookups", 0),
+            "cpu_evictions": d["connector"].get("num_cpu_evictions", 0)}
 
 
 def run_points(points: list[dict[str, Any]], jobs: int) -> list[dict[str, Any]]:
@@ -233,39 +237,43 @@ def gap_closed(value: float, base: float, best: float) -> float:
     return (value - base) / (best - base) if best > base else 0.0
 
 
-def summarize(results: list[dict[str, Any]], refs: dict[str, dict[str, float]]) -> None:
-    """Add `vs_ceiling` and `gap_closed` to each result (against the ceiling of its own concurrency)."""
-    ceiling = {(r["trace"], r["max_num_seqs"]): r["hit_ratio"] for r in results if r["series"] == "ceiling"}
+def summarize(results: list[dict[str, Any]], refs: dict[tuple[str, int], dict[str, float]]) -> None:
+    """Add `vs_ceiling` and `gap_closed` to each result (against the ceiling of its own size and concurrency)."""
+    ceiling = {(r["trace"], r["cpu_blocks"], r["max_num_seqs"]): r["hit_ratio"] for r in results
+               if r["series"] == "ceiling"}
     for r in results:
-        base, best = ceiling[(r["trace"], r["max_num_seqs"])], refs[r["trace"]]["min"]
+        ref = refs[(r["trace"], r["cpu_blocks"])]
+        base, best = ceiling[(r["trace"], r["cpu_blocks"], r["max_num_seqs"])], ref["min"]
         r["vs_ceiling"] = r["hit_ratio"] / base
         r["gap_closed"] = gap_closed(r["hit_ratio"], base, best)
-        r["lru_gap_closed"] = gap_closed(r["hit_ratio"], refs[r["trace"]]["lru"], best)
+        r["lru_gap_closed"] = gap_closed(r["hit_ratio"], ref["lru"], best)
 
 
 def format_table(out: dict[str, Any]) -> str:
     lines = []
-    for trace, ref in out["references"].items():
-        lines.append(f"{trace}: GPU {ref['gpu_blocks']} + CPU {ref['cpu_blocks']} blocks (5% + 10% of "
-                     f"{ref['distinct_blocks']:,} distinct), scaled; one at a time: MIN {ref['min']:.2%}, "
+    for ref in out["references"]:
+        trace, cpu = ref["trace"], ref["cpu_blocks"]
+        lines.append(f"{trace}: GPU {ref['gpu_blocks']:,} + CPU {cpu:,} blocks (5% + {cpu / ref['distinct_blocks']:.3g}x "
+                     f"the {ref['distinct_blocks']:,} distinct), scaled; one at a time: MIN {ref['min']:.2%}, "
                      f"LRU {ref['lru']:.2%} (references over the block stream)"
                      + (f"; LRU + session close (two exclusive tiers) {ref['lru_close']:.2%}, "
                         f"{gap_closed(ref['lru_close'], ref['lru'], ref['min']):+.1%} of the LRU->MIN gap"
                         if "lru_close" in ref else ""))
         lines.append(f"  {'series':<18} | {'one at a time':>13} {'vs ceil':>7} {'gap':>7} {'LRU gap':>7} | "
-                     f"{'64 at once':>10} {'vs ceil':>7} {'gap':>7} {'LRU gap':>7}")
+                     f"{'64 at once':>10} {'vs ceil':>7} {'gap':>7} {'LRU gap':>7} | {'CPU evictions':>13}")
         for series in SERIES:
-            cells = []
+            cells, evictions = [], []
             for n in CONCURRENCY:
-                r = next((x for x in out["replays"] if (x["trace"], x["series"], x["max_num_seqs"])
-                          == (trace, series, n)), None)
+                r = next((x for x in out["replays"] if (x["trace"], x["cpu_blocks"], x["series"], x["max_num_seqs"])
+                          == (trace, cpu, series, n)), None)
                 cells.append(f"{'-':>10} {'':>7} {'':>7} {'':>7}" if r is None else
                              f"{r['hit_ratio']:10.2%} {r['vs_ceiling']:7.3f} {r['gap_closed']:+7.1%} "
                              f"{r['lru_gap_closed']:+7.1%}")
+                evictions.append("-" if r is None or series == "ceiling" else f"{r['cpu_evictions']:,}")
             if any(c.strip() != "-" for c in cells):
-                lines.append(f"  {series:<18} | {cells[0]:>34} | {cells[1]}")
-    lines.append("gap = (replay - ceiling) / (MIN - ceiling), ceiling of the same concurrency; LRU gap = (replay - LRU)"
-                 " / (MIN - LRU), the references above; all replays clean "
+                lines.append(f"  {series:<18} | {cells[0]:>34} | {cells[1]} | {' / '.join(evictions):>13}")
+    lines.append("gap = (replay - ceiling) / (MIN - ceiling), ceiling of the same size and concurrency; LRU gap = "
+                 "(replay - LRU) / (MIN - LRU), the references above; all replays clean "
                  f"(0 integrity errors, 0 leaked blocks); {out['wall_seconds']:.0f} s")
     return "\n".join(lines)
 
@@ -275,6 +283,8 @@ def main() -> int:
     parser.add_argument("--traces", default="synthetic,agentic", help="comma-separated bundled trace names")
     parser.add_argument("--series", default=",".join(SERIES), help="comma-separated series (ceiling always runs)")
     parser.add_argument("--concurrency", default="1,64", help="comma-separated max_num_seqs values")
+    parser.add_argument("--cpu-sizes", default="0.1",
+                        help="comma-separated CPU tier sizes, as fractions of the trace's distinct blocks")
     parser.add_argument("--jobs", type=int, default=2, choices=[1, 2], help="parallel replays (at most 2)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
@@ -283,22 +293,26 @@ def main() -> int:
     if bad := [t for t in traces if t not in BUNDLED_SIZES] + [s for s in series if s not in SERIES]:
         parser.error(f"unknown trace or series {bad}; allowed: {list(BUNDLED_SIZES)}, {list(SERIES)}")
     concurrency = [int(x) for x in args.concurrency.split(",")]
+    fractions = [float(x) for x in args.cpu_sizes.split(",")]
     start = time.perf_counter()
     refs, points = {}, []
     for trace in traces:
         requests = read_trace(bundled_trace_path(trace))
-        gpu, cpu = BUNDLED_SIZES[trace]
+        gpu, _ = BUNDLED_SIZES[trace]
+        distinct = len({h for r in requests for h in r.hash_ids})
         has_sessions = any(r.session is not None for r in requests)
-        refs[trace] = {"gpu_blocks": gpu, "cpu_blocks": cpu, "min": min_reference(requests, gpu + cpu),
-                       "lru": lru_reference(requests, gpu + cpu),
-                       "distinct_blocks": len({h for r in requests for h in r.hash_ids})}
-        if has_sessions:
-            refs[trace]["lru_close"] = lru_close_reference(requests, gpu, cpu)
-        points += [{"trace": trace, "series": s, "max_num_seqs": n, "gpu_blocks": gpu, "cpu_blocks": cpu}
-                   for s in SERIES if s in series and (has_sessions or "close" not in s) for n in concurrency]
+        for fraction in fractions:
+            cpu = max(2, round(fraction * distinct))
+            ref = refs[(trace, cpu)] = {"trace": trace, "gpu_blocks": gpu, "cpu_blocks": cpu,
+                                        "min": min_reference(requests, gpu + cpu),
+                                        "lru": lru_reference(requests, gpu + cpu), "distinct_blocks": distinct}
+            if has_sessions:
+                ref["lru_close"] = lru_close_reference(requests, gpu, cpu)
+            points += [{"trace": trace, "series": s, "max_num_seqs": n, "gpu_blocks": gpu, "cpu_blocks": cpu}
+                       for s in SERIES if s in series and (has_sessions or "close" not in s) for n in concurrency]
     results = run_points(points, args.jobs)
     summarize(results, refs)
-    out = {"references": refs, "replays": results, "wall_seconds": time.perf_counter() - start}
+    out = {"references": list(refs.values()), "replays": results, "wall_seconds": time.perf_counter() - start}
     print(json.dumps(out, sort_keys=True) if args.json else format_table(out))
     return 0
 

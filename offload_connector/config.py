@@ -78,7 +78,10 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cpu_bytes: int | str = "8GiB"
     num_cpu_blocks: Annotated[int, msgspec.Meta(ge=2)] | None = None
-    store_policy: Literal["eager", "lazy"] = "eager"
+    # Unset: lazy, the recommended setting; eager with several KV-cache groups (`load_config`'s
+    # `num_kv_groups`, or the fake engine's `engine.sliding_window`), which keeps vLLM's hybrid KV cache
+    # manager on. Set explicitly, it is used as given.
+    store_policy: Literal["eager", "lazy"] = "lazy"
     lazy_lookahead_blocks: NonNegativeInt | None = None
     max_store_wait_steps: NonNegativeInt = 8
     eviction: Literal["lru", "arc"] = "lru"
@@ -310,16 +313,25 @@ def _apply_aliases(data: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(path_or_dict: str | Path | Mapping[str, Any] | None = None) -> OffloadConfig:
+HYBRID_STORE_POLICY = "eager"  # what an unset store_policy means with several KV-cache groups
+
+
+def load_config(path_or_dict: str | Path | Mapping[str, Any] | None = None, *, num_kv_groups: int = 1) -> OffloadConfig:
     """Load and validate a config from a YAML path, a mapping, or None (embedded default).
 
-    Keys missing from the input take the documented defaults. Raises ConfigError on any bad input.
+    Keys missing from the input take the documented defaults; an unset `store_policy` is `eager` for a
+    model of `num_kv_groups` > 1 KV-cache groups (or the fake engine's `engine.sliding_window`: two), else
+    `lazy`. Raises ConfigError on any bad input.
     """
     data: Any = config_source_dict(path_or_dict)
     if not isinstance(data, Mapping):
         raise ConfigError("<root>", data, "a mapping of config keys")
     _check_keys(data)
     data = _apply_aliases(data)
+    engine = data.get("engine")
+    if "store_policy" not in data and (
+            num_kv_groups > 1 or isinstance(engine, Mapping) and engine.get("sliding_window") is not None):
+        data["store_policy"] = HYBRID_STORE_POLICY
     try:
         cfg = msgspec.convert(data, OffloadConfig, strict=True)
     except msgspec.ValidationError as err:

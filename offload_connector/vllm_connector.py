@@ -135,6 +135,8 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         adopt_vllm_logging()  # our start-up line and warnings reach vLLM's log, formatted as vLLM's
         self.config = resolve_config(self._kv_transfer_config.kv_connector_extra_config)
         self.shape: KVCacheShape = describe_kv_cache(vllm_config, kv_cache_config)
+        if len(self.shape.groups) > 1:  # a hybrid model: an unset store_policy means eager here
+            self.config = resolve_config(self._kv_transfer_config.kv_connector_extra_config, len(self.shape.groups))
         check_groups_config(self.config, self.shape)  # a hybrid model: eager stores, no remote tier
         self.capacity = self.shape.capacity(self.config)  # raises for fewer than 2 blocks per rank
         self.num_cpu_blocks = self.capacity.num_cpu_blocks  # the null block included

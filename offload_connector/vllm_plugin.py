@@ -121,18 +121,19 @@ def refusal(err: ConfigError | UnsupportedSetupError, usage_context: Any) -> Bas
 
 def keep_hma_off_for_one_group_configs(engine_args: Any) -> None:
     """Before vLLM builds its config: when our connector alone is selected with a config that supports one
-    KV-cache group only (`store_policy: lazy`, or a `remote` tier) and the user left
+    KV-cache group only (`store_policy: lazy` set explicitly, or a `remote` tier) and the user left
     `disable_hybrid_kv_cache_manager` unset, set it (as vLLM 0.32 did for every connector before ours
-    declared `SupportsHMA`), so a hybrid model runs with one group instead of failing at start-up. A
-    model with one group is unaffected; an explicit setting is left alone (the connector then refuses
-    several groups with an error naming the keys). Parses only; a bad config is left for the checks."""
+    declared `SupportsHMA`), so a hybrid model runs with one group instead of failing at start-up. An unset
+    `store_policy` keeps it on: with several groups it means eager (`resolve_config`). A model with one
+    group is unaffected; an explicit setting is left alone (the connector then refuses several groups with
+    an error naming the keys). Parses only; a bad config is left for the checks."""
     ktc = getattr(engine_args, "kv_transfer_config", None)
     if ktc is None or getattr(engine_args, "disable_hybrid_kv_cache_manager", False) is not None:
         return
     if ktc.kv_connector != CONNECTOR_NAME and ktc.kv_connector_module_path != MODULE_PATH:
         return  # another connector, or MultiConnector (its children are found only with vLLM's config)
     try:
-        config = resolve_config(ktc.kv_connector_extra_config)
+        config = resolve_config(ktc.kv_connector_extra_config, num_kv_groups=2)  # as a hybrid model runs it
     except ConfigError:
         return  # raised by check_engine_config once vLLM's config exists, as for any bad key
     if keeps_hybrid_manager(config):
@@ -140,7 +141,7 @@ def keep_hma_off_for_one_group_configs(engine_args: Any) -> None:
     engine_args.disable_hybrid_kv_cache_manager = True
     why = f"store_policy: {config.store_policy}" if config.store_policy != "eager" else "a remote tier"
     logger.info("OffloadConnector with %s supports one KV-cache group: vLLM's hybrid KV cache manager is off "
-                "(hybrid models run with one group; store_policy: eager without remote keeps it on)", why)
+                "(hybrid models run with one group; store_policy eager or unset, without remote, keeps it on)", why)
 
 
 def _config_error_in(err: ValueError) -> ConfigError | None:

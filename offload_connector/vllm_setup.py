@@ -1,8 +1,9 @@
 """Start-up checks and sizing for the vLLM adapter: everything decided once, before the first step.
 
-- `resolve_config(extra)`: `kv_connector_extra_config` -> `OffloadConfig`. `{"config_file": path}` names a
-  YAML file (else the embedded default is the base); every other key is an inline config key and wins over
-  the file, key by key (`merge_configs`). Bad keys/values raise `ConfigError` naming them and where they
+- `resolve_config(extra, num_kv_groups)`: `kv_connector_extra_config` -> `OffloadConfig`. `{"config_file":
+  path}` names a YAML file (else the embedded default is the base); every other key is an inline config key
+  and wins over the file, key by key (`merge_configs`). An unset `store_policy` is lazy, or eager for a
+  model of several KV-cache groups (so vLLM's hybrid KV cache manager stays on). Bad keys/values raise `ConfigError` naming them and where they
   were set: the file's absolute path, or `kv_connector_extra_config`. Parses only, allocates nothing, so
   it is also the early check run while vLLM builds its config (`vllm_plugin.py`,
   `OffloadConnector.requires_piecewise_for_cudagraph`).
@@ -88,8 +89,9 @@ def check_vllm_version(version: str | None = None) -> None:
         )
 
 
-def resolve_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
-    """Our config from vLLM's `kv_connector_extra_config` (file, then inline keys on top).
+def resolve_config(extra: Mapping[str, Any] | None, num_kv_groups: int = 1) -> OffloadConfig:
+    """Our config from vLLM's `kv_connector_extra_config` (file, then inline keys on top), for a model of
+    `num_kv_groups` KV-cache groups (an unset `store_policy` is eager with several: `load_config`).
 
     A `ConfigError` says where the bad key was set: the config file's absolute path (relative paths start
     at vLLM's working directory) or `kv_connector_extra_config`.
@@ -104,7 +106,7 @@ def resolve_config(extra: Mapping[str, Any] | None) -> OffloadConfig:
     except ConfigError as err:
         raise _located(err, _absolute(config_file)) from None
     try:
-        return load_config(merge_configs(base, inline))
+        return load_config(merge_configs(base, inline), num_kv_groups=num_kv_groups)
     except ConfigError as err:
         inline_keys = [err.key] + [alias for alias, key in ALIASES.items() if key == err.key]
         where = "kv_connector_extra_config" if any(_sets(inline, k) for k in inline_keys) else None

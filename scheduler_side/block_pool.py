@@ -11,7 +11,11 @@ Invariants (checked by `check_integrity()`):
   `block_hash` equals the key, it is not hit-able, and it never sits in `cached` too. `commit` turns a
   reservation into a cached entry, `abort` forgets it; the key lives in the pool alone meanwhile;
 - allocation pops the LRU head (with `eviction="arc"`: ARC's choice, see `arc_queue`) and, if the popped
-  block was cached, drops it from `cached` first.
+  block was cached, drops it from `cached` first;
+- with `empty_first` (the CPU tier; always with ARC) no cached block is evicted while an empty block is
+  free: "the head" for a cached block (`free(front=True)`, `demote`) is the eviction end of the cached
+  blocks, behind every empty one (`lru_queue`). Without it (the fake engine's GPU pool) one LRU order holds
+  every free block, as in vLLM.
 
 A failed `allocate` changes nothing. Only the owner of a reference may `free` it.
 """
@@ -22,6 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from scheduler_side.arc_queue import ArcFreeQueue
 from scheduler_side.free_queue import Block, FreeBlockQueue
+from scheduler_side.lru_queue import LruFreeQueue
 
 EVICTION_POLICIES = ("lru", "arc")
 
@@ -32,8 +37,9 @@ class PoolError(RuntimeError):
 
 class BlockPool:
     def __init__(self, num_blocks: int, on_evict: Callable[[bytes, bool], None] | None = None,
-                 eviction: str = "lru", history: int | None = None) -> None:
-        """`history`: with ARC, how many recently reused keys to remember (default `num_blocks`)."""
+                 eviction: str = "lru", history: int | None = None, empty_first: bool = False) -> None:
+        """`history`: with ARC, how many recently reused keys to remember (default `num_blocks`).
+        `empty_first`: take free empty blocks before any cached one (ARC always does)."""
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         if eviction not in EVICTION_POLICIES:
@@ -43,8 +49,14 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # permanently held, so it can never enter the free queue
         self.eviction = eviction
-        self.free_queue: FreeBlockQueue | ArcFreeQueue = (
-            ArcFreeQueue(self.blocks[1:], history) if eviction == "arc" else FreeBlockQueue(self.blocks[1:]))
+        self.empty_first = empty_first or eviction == "arc"
+        self.free_queue: FreeBlockQueue | LruFreeQueue | ArcFreeQueue
+        if eviction == "arc":
+            self.free_queue = ArcFreeQueue(self.blocks[1:], history)
+        elif empty_first:
+            self.free_queue = LruFreeQueue(self.blocks[1:])
+        else:
+            self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached: dict[bytes, Block] = {}
         self.reserved: dict[bytes, Block] = {}  # content on its way into a held block (not hit-able yet)
         self.on_evict = on_evict  # (key, evicted) for every cached block dropped; evicted: by allocation (LRU)
@@ -75,7 +87,8 @@ class BlockPool:
 
     # --- state changes -------------------------------------------------------------------------
     def allocate(self, num: int) -> list[Block] | None:
-        """Take `num` blocks from the LRU head (ref_cnt 1, no hash), evicting cached ones; None if short."""
+        """Take `num` blocks from the LRU head (ref_cnt 1, no hash), evicting cached ones (with `empty_first`,
+        only once no empty block is left); None if short."""
         if num > self.free_queue.num_free_blocks:
             return None
         out = self.free_queue.popleft_n(num)
@@ -101,7 +114,8 @@ class BlockPool:
         """Drop one reference on each block; blocks reaching zero enter the free queue.
 
         By default at the tail (most recently used); with `front=True` at the head (evicted first), the
-        first listed block ending up nearest the head.
+        first listed block ending up nearest the head (with `empty_first`, a cached block: before older
+        cached blocks, never ahead of empty ones).
         """
         null_block = self.null_block
         released = []
@@ -141,7 +155,8 @@ class BlockPool:
 
     def demote(self, block: Block) -> bool:
         """Move a free cached block to the head of the free queue (evicted first), keeping its content
-        (still hit-able until then). Held blocks are left alone (False). With ARC: the head of its list."""
+        (still hit-able until then). Held blocks are left alone (False). With `empty_first` or ARC: the head
+        of its list, so it still goes after every empty block."""
         if block.ref_cnt != 0:
             return False
         self.free_queue.remove(block)
@@ -224,9 +239,14 @@ class BlockPool:
     def check_integrity(self) -> None:
         """Raise if any invariant in the module docstring is broken. O(num_blocks): tests and idle only."""
         in_queue = set()
+        cached_before = None  # with empty_first: a cached block met before an empty one in eviction order
         for block in self.free_queue:
             if block.ref_cnt != 0:
                 raise PoolError(f"{block} is in the free queue with ref_cnt {block.ref_cnt}")
+            if block.block_hash is not None:
+                cached_before = cached_before or block
+            elif self.empty_first and cached_before is not None:
+                raise PoolError(f"cached {cached_before} would be evicted before the empty {block}")
             if block.block_id in in_queue:
                 raise PoolError(f"{block} appears twice in the free queue")
             in_queue.add(block.block_id)

@@ -135,9 +135,11 @@ class Completions:
 
     def _release_load(self, job: LoadJob) -> None:
         """A completed load's references go back: the GPU ones it holds, and its CPU blocks (forgotten when
-        the GPU holds their content under the policy's rule). If the request finished while loading, the
-        engine never caches those GPU blocks (they go back unhashed): the CPU copies are all that is left
-        of that content, so they are kept, in their place."""
+        the GPU holds their content under the policy's rule: then empty room, taken first; kept, they are
+        content just reused: most recently used, as the policy counts on that copy once the GPU evicts the
+        block). If the request finished while loading, the engine never caches those GPU blocks (they go
+        back unhashed): the CPU copies are all that is left of that content, so they are kept, in their
+        place."""
         cpu_pool = self.cpu_pool
         if job.holds_gpu:  # the request finished while loading (request_finished took these references)
             self.gpu_pool.free(job.gpu_block_ids)
@@ -147,7 +149,7 @@ class Completions:
             for block in job.cpu_blocks:  # those with only the load's own reference, dropped right below (a
                 if block.ref_cnt == 1 and block.block_id not in job.lent:  # lent slot holds a store's now)
                     cpu_pool.uncache(block)
-        cpu_pool.free(job.cpu_blocks, front=self.policy.cpu_copy_worthless_after_load)
+        cpu_pool.free(job.cpu_blocks)
 
     def _on_load_expired(self, event_id: int, rank: int) -> None:
         """A rank gave up on a load event at its deadline (its requests come as failed in the same report)."""

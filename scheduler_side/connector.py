@@ -89,7 +89,7 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
             check_groups_supported(self.config, self.groups)
             self.group_id = self.groups[0].group_id  # admission and ARC judge content by group 0's keys
         self.cpu_pool = BlockPool(self.num_cpu_blocks, on_evict=self._on_cpu_evict,
-                                  eviction=self.config.eviction,
+                                  eviction=self.config.eviction, empty_first=True,
                                   history=self.num_cpu_blocks + (self.num_gpu_blocks or self.num_cpu_blocks))
         # Remembers the keys of several times what both tiers hold: a superseded branch is recent.
         self.admission = AdmissionFilter(4 * (self.num_cpu_blocks + (self.num_gpu_blocks or self.num_cpu_blocks)),
@@ -291,9 +291,13 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
 
     # ------------------------------------------------------------------ 5. finish, preempt
     def request_finished(self, request: RequestLike) -> tuple[bool, dict | None]:
-        """The engine may free the request's blocks now: in-flight transfers hold their own references."""
+        """The engine may free the request's blocks now: in-flight transfers hold their own references.
+
+        A request already finished while its load runs (FINISHED: a second call for it, or a new request
+        under its id aborted while that load runs) changes nothing: the first call did the work, and the
+        state stays until the load completes and gives its GPU and CPU references back."""
         state = self._requests.get(request.request_id)
-        if state is None:
+        if state is None or state.phase is Phase.FINISHED:
             return False, None
         self._drop_pending_hit(state)
         if self.remote is not None:

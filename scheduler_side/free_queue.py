@@ -29,7 +29,7 @@ class Block:
         self.block_hash: bytes | None = None
         self.prev: Block | None = None
         self.next: Block | None = None
-        self.seg = 0  # ArcFreeQueue only: which of its lists the block is in (0: held)
+        self.seg = 0  # LruFreeQueue, ArcFreeQueue only: which of its lists the block is in (0: held)
         self.reused = False  # ArcFreeQueue only: the block's content was reused
 
     def __repr__(self) -> str:

@@ -7,10 +7,12 @@ request, the saved blocks within a deferred admission's span have their CPU copi
 before the step's stores take CPU blocks (the admission drops them from the GPU next step: in an exclusive
 tier they are newer than anything on the CPU, and a copy the stores evicted would be lost then).
 CPU copies of blocks that were just loaded to the GPU, or that an admitted request hit on the GPU, are
-forgotten and go to the head of the CPU free queue (the GPU holds them now; the tiers stay mostly
-exclusive) once the CPU tier is under pressure (it has evicted a block: it filled up); until then they
-are kept. A quiet spell does not end the pressure: a copy kept then sits on both tiers once the tier is
-busy again, and when the GPU evicts that block its copy is where the CPU last saw it, not the newest.
+forgotten (empty room, taken first; the GPU holds them now; the tiers stay mostly exclusive) once the CPU
+tier is under pressure: it has evicted a block, which the CPU pool does only once no empty block is free
+(`BlockPool(empty_first=True)`): the tier filled up. Until then a loaded block's copy is kept as the most
+recently used content: once the GPU evicts that block, this copy is the one the tier has. A quiet
+spell does not end the pressure: a copy kept then sits on both tiers once the tier is busy again, and
+when the GPU evicts that block its copy is where the CPU last saw it, not the newest.
 
 What the next step allocates, and who saves it: an admission's allocation is checked at its lookup against
 the blocks it will really evict (its own free GPU hits skipped); if unsaved ones lie there it is deferred
@@ -42,7 +44,6 @@ ADMIT_WEIGHT = 0.1  # weight of this step's largest admission in their mean
 
 
 class LazyStorePolicy(StorePolicy):
-    cpu_copy_worthless_after_load = True
     gpu_copy_worthless_after_store = True
 
     def __init__(self, view: PolicyView) -> None:
@@ -55,7 +56,8 @@ class LazyStorePolicy(StorePolicy):
         self._held: dict[bytes, int] = {}  # key -> GPU block held for the next store event
         self._last_event_id: int | None = None  # our most recent store event
         self._steps = 0  # pick_stores calls (engine steps)
-        # The CPU tier has evicted a block (seen at a step's tick): from then on space spent on copies of blocks
+        # The CPU tier has evicted a block (seen at a step's tick), so it filled up (the CPU pool evicts only once
+        # no empty block is free): from then on space spent on copies of blocks
         # the GPU holds costs hits; until it fills such copies are kept (a free second chance). A window of 64
         # steps after each eviction lost 0.2 points one request at a time on the agentic trace: its quiet
         # spells (a session's turns all GPU hits) kept copies that then cost room.

@@ -61,7 +61,8 @@ class PolicyView(Protocol):
     def is_store_outstanding(self, event_id: int) -> bool: ...
     def cpu_num_free_blocks(self) -> int: ...
     def cpu_num_evictions(self) -> int:
-        """Cached CPU blocks evicted by allocation so far (a counter)."""
+        """Cached CPU blocks evicted by allocation so far (a counter). The CPU pool evicts only once no empty
+        block is free: a non-zero count means the tier filled up."""
     def gpu_num_free_blocks(self) -> int: ...
     def gpu_eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         """(gpu_block_id, key or None) of free GPU blocks from the eviction frontier on (stop before any
@@ -81,7 +82,6 @@ class StorePicks:
 
 
 class StorePolicy:
-    cpu_copy_worthless_after_load = False  # a loaded block's CPU copy goes to the head of the CPU queue
     gpu_copy_worthless_after_store = False  # a stored block goes to the head of the GPU free queue
 
     def __init__(self, view: PolicyView) -> None:

@@ -28,7 +28,9 @@ class FakeRequest:
 
 def make_scheduler(num_gpu_blocks: int = 100, num_cpu_blocks: int = 50, block_size: int = 4,
                    world_size: int = 1, **overrides) -> tuple[OffloadScheduler, BlockPool]:
-    config = load_config({"num_cpu_blocks": num_cpu_blocks, **overrides})
+    """A scheduler over a fake GPU pool; `store_policy` eager unless overridden (the stories here are told
+    with eager's stores)."""
+    config = load_config({"num_cpu_blocks": num_cpu_blocks, "store_policy": "eager", **overrides})
     gpu = BlockPool(num_gpu_blocks)
     sched = OffloadScheduler(config, block_size, num_cpu_blocks, BlockPoolGpuView(gpu), world_size)
     return sched, gpu

@@ -150,3 +150,63 @@ def test_integrity_detects_a_broken_reservation():
     a.block_hash = b"other"
     with pytest.raises(PoolError, match="reservation"):
         pool.check_integrity()
+
+
+# --- empty_first (the CPU tier's LRU): no cached block is evicted while an empty block is free -----------
+
+def cached_pool(num_blocks: int, num_cached: int) -> BlockPool:
+    """An empty-first pool whose blocks 1..num_cached hold content, free, least recently used first."""
+    pool = BlockPool(num_blocks, empty_first=True)
+    blocks = pool.allocate(num_cached)
+    for block in blocks:
+        pool.cache(block, b"h%d" % block.block_id)
+    pool.free(blocks)
+    return pool
+
+
+def test_empty_first_takes_every_empty_block_before_any_cached_one():
+    pool = cached_pool(7, 3)
+    assert ids(pool.free_queue) == [4, 5, 6, 1, 2, 3]  # empty ones first, then cached in LRU order
+    assert ids(pool.allocate(4)) == [4, 5, 6, 1] and pool.num_evictions == 1
+    pool.check_integrity()
+
+
+def test_empty_first_a_cached_block_freed_to_the_front_goes_behind_the_empty_ones():
+    # A loaded block's copy given up (lazy, tier not full): evicted before older content, never before room.
+    pool = cached_pool(7, 3)
+    copy = pool.blocks[3]
+    pool.touch([copy])
+    pool.free([copy], front=True)
+    assert ids(pool.free_queue) == [4, 5, 6, 3, 1, 2]
+    assert ids(pool.allocate(3)) == [4, 5, 6] and pool.num_evictions == 0
+    assert ids(pool.allocate(1)) == [3] and pool.num_evictions == 1
+    pool.check_integrity()
+
+
+def test_empty_first_demote_goes_behind_the_empty_ones_and_a_forgotten_block_comes_first():
+    pool = cached_pool(7, 3)
+    assert pool.demote(pool.blocks[2])  # a closed session's copy
+    assert ids(pool.free_queue) == [4, 5, 6, 2, 1, 3]
+    pool.uncache(pool.blocks[3])  # forgotten while free: free room, taken first
+    assert ids(pool.free_queue) == [3, 4, 5, 6, 2, 1]
+    assert pool.discard(pool.blocks[1])
+    assert ids(pool.free_queue) == [1, 3, 4, 5, 6, 2]
+    pool.check_integrity()
+
+
+def test_empty_first_integrity_sees_a_cached_block_ahead_of_an_empty_one():
+    pool = cached_pool(5, 1)
+    pool.free_queue.lru.remove(pool.blocks[1])  # our bug, simulated: the cached block filed as empty
+    pool.free_queue.empty.appendleft(pool.blocks[1])
+    with pytest.raises(PoolError, match="would be evicted before the empty"):
+        pool.check_integrity()
+
+
+def test_without_empty_first_one_lru_order_holds_every_block():
+    # The fake engine's GPU pool, like vLLM's: a block freed to the front is taken first, cached or not.
+    pool = BlockPool(5)
+    a = pool.allocate(1)[0]
+    pool.cache(a, b"h")
+    pool.free([a], front=True)
+    assert ids(pool.free_queue) == [1, 2, 3, 4]
+    pool.check_integrity()

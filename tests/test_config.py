@@ -8,8 +8,18 @@ from offload_connector.sizing import num_cpu_blocks
 
 def test_defaults_and_embedded_default():
     cfg = load_config()
-    assert cfg.cpu_bytes == 8 * 2**30 and cfg.store_policy == "eager" and cfg.transfer.backend == "auto"
+    assert cfg.cpu_bytes == 8 * 2**30 and cfg.store_policy == "lazy" and cfg.transfer.backend == "auto"
     assert load_config({}).transfer.num_streams == 2
+
+
+def test_an_unset_store_policy_is_eager_with_several_kv_cache_groups_and_a_set_one_is_kept():
+    assert load_config({}).store_policy == "lazy"
+    assert load_config({}, num_kv_groups=2).store_policy == "eager"  # keeps vLLM's hybrid KV cache manager on
+    assert load_config({"engine": {"sliding_window": 8}}).store_policy == "eager"  # the fake engine's hybrid
+    assert load_config({"store_policy": "lazy"}, num_kv_groups=2).store_policy == "lazy"
+    assert load_config({"store_policy": "eager"}).store_policy == "eager"
+    with pytest.raises(ConfigError, match="eager with engine.sliding_window"):
+        load_config({"store_policy": "lazy", "engine": {"sliding_window": 8}})
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -132,7 +142,7 @@ def test_a_yaml_file_that_is_not_a_mapping_is_refused(tmp_path, text):
 def test_an_empty_yaml_file_means_the_defaults(tmp_path):
     path = tmp_path / "offload.yaml"
     path.write_text("")
-    assert load_config(path).store_policy == "eager"
+    assert load_config(path).store_policy == "lazy"
 
 
 def test_a_key_given_twice_is_refused(tmp_path):

@@ -132,6 +132,35 @@ def test_abort_during_load_keeps_the_blocks_until_the_load_is_done() -> None:
         assert engine.check() == 0 and engine.stats.aborted_requests == 1
 
 
+def test_an_id_reused_and_aborted_while_the_old_load_runs_keeps_that_load() -> None:
+    backend = FaultyBackend(CpuBackend(), hold=lambda job: job.kind == "load" and job.event_id == 0)
+    with FakeEngine(small_config(num_gpu_blocks=12, num_cpu_blocks=32), backend=backend,
+                    wait_for_loads=False) as engine:
+        finish(engine, "a", PROMPT)
+        evict_gpu(engine, 1)
+        engine.drain()
+        # 1. B hits on the CPU; its load is held in flight; B is aborted.
+        engine.add_request("b", PROMPT, 2)
+        engine.step()
+        engine.step()
+        assert engine.abort_request("b")
+        # 2. a new request under the id "b": its lookup waits for the old load; it is aborted too.
+        engine.add_request("b", PROMPT, 2)
+        engine.step()
+        assert engine.abort_request("b")
+        # 3. the old load still holds its 3 GPU and 3 CPU blocks, and the connector is not idle.
+        connector = engine.connector
+        assert connector is not None and connector.num_inflight_transfers == 1 and not connector.is_idle()
+        assert engine.gpu.pool.num_held_blocks() == 3 and connector.cpu_pool.num_held_blocks() == 3
+        # 4. the load completes: everything is released.
+        backend.release_all()
+        engine.drain()
+        assert engine.gpu.pool.num_held_blocks() == 0 and connector.cpu_pool.num_held_blocks() == 0
+        assert connector.is_idle()
+        assert finish(engine, "c", PROMPT) == reference_output(PROMPT)
+        assert engine.check() == 0 and engine.stats.aborted_requests == 2
+
+
 def test_finish_during_store_keeps_the_source_blocks_until_the_store_is_done() -> None:
     backend = FaultyBackend(CpuBackend(), hold=lambda job: job.kind == "store" and job.event_id == 0)
     with FakeEngine(small_config(num_gpu_blocks=12, num_cpu_blocks=32), backend=backend) as engine:

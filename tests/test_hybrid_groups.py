@@ -68,7 +68,7 @@ def test_the_scheduler_refuses_what_several_groups_do_not_support(extra: dict, m
     groups = (KVGroup(0), KVGroup(1, window=32))
     with pytest.raises(ValueError, match=match):
         OffloadScheduler(load_config({"num_cpu_blocks": 8, **extra}), BS, 8, gpu, groups=groups)
-    sched = OffloadScheduler(load_config({"num_cpu_blocks": 8}), BS, 8, gpu, groups=groups)
+    sched = OffloadScheduler(load_config({"num_cpu_blocks": 8}, num_kv_groups=2), BS, 8, gpu, groups=groups)
     assert sched.groups == groups and sched.group_id == 0
 
 
@@ -82,7 +82,8 @@ def test_a_window_block_picked_late_is_stored_only_while_vllm_still_holds_it() -
 
     bs, groups = 4, (KVGroup(0), KVGroup(1, window=8))
     gpu = BlockPool(64)
-    sched = OffloadScheduler(load_config({"num_cpu_blocks": 64}), bs, 64, BlockPoolGpuView(gpu), groups=groups)
+    sched = OffloadScheduler(load_config({"num_cpu_blocks": 64}, num_kv_groups=2), bs, 64,
+                             BlockPoolGpuView(gpu), groups=groups)
     req = FakeRequest("r", list(range(36)), bs)
     hashes = req.block_hashes
     req.block_hashes = hashes[:2]  # the engine has hashed 2 of the 8 full blocks so far

@@ -108,7 +108,8 @@ def test_with_several_kv_cache_groups_too():
 
     groups = (KVGroup(0), KVGroup(1, window=8))
     gpu = BlockPool(64)
-    sched = OffloadScheduler(load_config({"num_cpu_blocks": 64}), BS, 64, BlockPoolGpuView(gpu), groups=groups)
+    sched = OffloadScheduler(load_config({"num_cpu_blocks": 64}, num_kv_groups=2), BS, 64, BlockPoolGpuView(gpu),
+                             groups=groups)
     a = FakeRequest("A", list(range(17)), BS)  # 4 full blocks
     assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
     ids = [[b.block_id for b in gpu.allocate(5)] for _ in groups]

@@ -113,7 +113,7 @@ def test_arc_hints_use_the_schedulers_group_id():
 
     group = 3
     gpu = BlockPool(64)
-    sched = OffloadScheduler(load_config({"num_cpu_blocks": 6, "eviction": "arc"}), BS, 6, BlockPoolGpuView(gpu),
+    sched = OffloadScheduler(load_config({"store_policy": "eager", "num_cpu_blocks": 6, "eviction": "arc"}), BS, 6, BlockPoolGpuView(gpu),
                              group_id=group)
     q = sched.cpu_pool.free_queue
 
@@ -155,7 +155,7 @@ def sched_with_group(group: int, **overrides):
     from scheduler_side import BlockPoolGpuView, OffloadScheduler
 
     gpu = BlockPool(64)
-    config = load_config({"num_cpu_blocks": 16, **overrides})
+    config = load_config({"store_policy": "eager", "num_cpu_blocks": 16, **overrides})
     return OffloadScheduler(config, BS, 16, BlockPoolGpuView(gpu), group_id=group), gpu
 
 
@@ -241,15 +241,18 @@ def test_lazy_held_blocks_go_to_the_head_of_the_gpu_queue_once_saved():
     assert free_ids(gpu) == ids[:2] + [ids[2]]  # saved copies are evicted first
 
 
-def test_lazy_frees_a_loaded_blocks_cpu_copy_to_the_head_even_without_pressure():
+def test_lazy_keeps_a_loaded_blocks_cpu_copy_as_most_recently_used_without_pressure():
+    # Until the tier fills, lazy keeps a loaded block's CPU copy: the GPU will drop that block relying on it,
+    # so it is content just reused (the most recently used), not the first to go once the tier is full.
     sched, gpu = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=20, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=20)
-    a = FakeRequest("A", list(range(9)), BS)
-    _, _, ids = admit(sched, gpu, a)
-    sched.build_connector_meta([step_done("A", ids, 9)])
-    finish(sched, gpu, a, ids)
-    meta = sched.build_connector_meta([])  # A's free blocks are within the lookahead: stored
-    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    for rid, first in (("A", 0), ("C", 100)):  # A's 2 full blocks on the CPU, then C's (more recent)
+        req = FakeRequest(rid, list(range(first, first + 9)), BS)
+        _, _, ids = admit(sched, gpu, req)
+        sched.build_connector_meta([step_done(rid, ids, 9)])
+        finish(sched, gpu, req, ids)
+        meta = sched.build_connector_meta([])  # its free blocks are within the lookahead: stored
+        sched.update_connector_output(report(completed_store_events=[meta.store_event]))
     for blk in list(gpu.free_queue):
         gpu.uncache(blk)  # the GPU copies are evicted
     b = FakeRequest("B", list(range(9)), BS)
@@ -257,8 +260,11 @@ def test_lazy_frees_a_loaded_blocks_cpu_copy_to_the_head_even_without_pressure()
     assert hit == 8
     load = sched.build_connector_meta([])
     sched.update_connector_output(report(finished_load_reqs=["B"]))
-    assert sched.cpu_pool.num_evictions == 0 and len(sched.cpu_pool.cached) == 2  # no pressure: kept
-    assert free_ids(sched.cpu_pool)[:2] == load.load_cpu_blocks  # but first in line: the GPU holds them
+    pool = sched.cpu_pool
+    assert pool.num_evictions == 0 and len(pool.cached) == 4  # no pressure: kept
+    order = [(blk.block_id, blk.block_hash is not None) for blk in pool.free_queue]
+    assert order[:15] == [(i, False) for i, _ in order[:15]]  # the 15 empty blocks come first
+    assert [i for i, _ in order[-2:]] == load.load_cpu_blocks  # then C's copies, then A's: most recent
     finish(sched, gpu, b, b_ids)
 
 
@@ -527,7 +533,7 @@ def test_block_size_and_world_size_must_be_positive():
     from offload_connector.config import load_config
     from scheduler_side import BlockPoolGpuView, OffloadScheduler
 
-    config, gpu = load_config({"num_cpu_blocks": 4}), BlockPoolGpuView(BlockPool(8))
+    config, gpu = load_config({"store_policy": "eager", "num_cpu_blocks": 4}), BlockPoolGpuView(BlockPool(8))
     for block_size, world_size in ((0, 1), (1, 0), (-1, 1), (1, -2)):
         with pytest.raises(ValueError, match="must be positive"):
             OffloadScheduler(config, block_size, 4, gpu, world_size)
@@ -541,7 +547,7 @@ def test_arc_remembers_reused_keys_of_both_tiers():
     from scheduler_side import BlockPoolGpuView, OffloadScheduler
     from scheduler_side.arc_queue import T2
 
-    sched = OffloadScheduler(load_config({"num_cpu_blocks": 6, "eviction": "arc"}), BS, 6,
+    sched = OffloadScheduler(load_config({"store_policy": "eager", "num_cpu_blocks": 6, "eviction": "arc"}), BS, 6,
                              BlockPoolGpuView(BlockPool(40)), num_gpu_blocks=40)
     pool = sched.cpu_pool
     for k in range(30):

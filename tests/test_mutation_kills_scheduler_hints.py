@@ -80,7 +80,7 @@ def test_a_gpu_hit_revives_a_dead_block_even_with_store_false() -> None:
 
 @pytest.mark.parametrize("group_id", [0, 1])
 def test_a_superseded_block_loses_its_cpu_copy_once(group_id: int) -> None:
-    config = load_config({"num_cpu_blocks": 50, "branch_filter": True})
+    config = load_config({"store_policy": "eager", "num_cpu_blocks": 50, "branch_filter": True})
     gpu = BlockPool(100)
     sched = OffloadScheduler(config, BS, 50, BlockPoolGpuView(gpu), 1, group_id=group_id)
     a = FakeRequest("A", list(range(13)), BS)

@@ -23,7 +23,7 @@ from test_remote_scheduler import BS, IDENTITY, HandLookups  # noqa: E402
 
 
 def make(group_id: int = 0) -> tuple[OffloadScheduler, BlockPool]:
-    config = load_config({"num_cpu_blocks": 20, "remote": {"url": "redis://127.0.0.1:1/0"}})
+    config = load_config({"store_policy": "eager", "num_cpu_blocks": 20, "remote": {"url": "redis://127.0.0.1:1/0"}})
     gpu = BlockPool(100)
     sched = OffloadScheduler(config, BS, 20, BlockPoolGpuView(gpu), 1, group_id=group_id, remote_identity=IDENTITY)
     sched.remote.lookups.close()  # the real thread: replaced by the hand-driven stand-in

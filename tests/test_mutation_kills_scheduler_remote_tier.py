@@ -20,7 +20,7 @@ pytest.importorskip("redis", reason="the remote tier's client needs the `redis` 
 
 def make_with(num_cpu_blocks: int = 20, group_id: int = 0, remote: dict | None = None, **config):
     """`make` with top-level config keys and a KV-cache group id of our choosing."""
-    cfg = load_config({"num_cpu_blocks": num_cpu_blocks, **config,
+    cfg = load_config({"store_policy": "eager", "num_cpu_blocks": num_cpu_blocks, **config,
                        "remote": {"url": "redis://127.0.0.1:1/0", **(remote or {})}})
     gpu = BlockPool(100)
     sched = OffloadScheduler(cfg, BS, num_cpu_blocks, BlockPoolGpuView(gpu), 1, group_id=group_id,

@@ -43,7 +43,7 @@ class HandLookups:
 
 
 def make(world_size: int = 1, num_cpu_blocks: int = 20, **remote):
-    config = load_config({"num_cpu_blocks": num_cpu_blocks, "remote": {"url": "redis://127.0.0.1:1/0", **remote}})
+    config = load_config({"store_policy": "eager", "num_cpu_blocks": num_cpu_blocks, "remote": {"url": "redis://127.0.0.1:1/0", **remote}})
     gpu = BlockPool(100)
     sched = OffloadScheduler(config, BS, num_cpu_blocks, BlockPoolGpuView(gpu), world_size, remote_identity=IDENTITY)
     sched.remote.lookups.close()  # the real thread: replaced by the hand-driven stand-in

@@ -60,9 +60,11 @@ class RemoteMachine(SchedulerMachine):
         self.waiting: dict[str, FakeRequest] = {}  # looked up, answered None: asked again by `retry`
         self.sent_loads: list[str] = []
         self.load_reads: dict[str, set[int]] = {}
+        self.load_writes: dict[str, list[int]] = {}
         self.stores: dict[int, list[int]] = {}
         self.fetches: dict[int, list[int]] = {}  # fetch event -> its CPU blocks
         self.next_id = 0
+        self.watch_cpu_evictions()
 
     def _admit(self, req, gpu_hit_tokens):
         hit, is_async = self.sched.get_num_new_matched_tokens(req, gpu_hit_tokens)

@@ -158,6 +158,30 @@ def test_request_id_reused_while_the_old_load_is_in_flight_waits():
     assert_idle(sched, gpu)
 
 
+@pytest.mark.parametrize("second", ["same request again", "a new request under its id"])
+def test_a_second_finish_while_the_load_runs_keeps_the_load(second):
+    sched, gpu, b, ids, meta = b_loading_a_prefix()
+    # 1. B finishes (aborted) with its load in flight: the load takes its own GPU references.
+    finish(sched, gpu, b, ids)
+    # 2. request_finished again for B's id: called twice, or a new request under the id (it waits for the
+    #    old load at its lookup) aborted while that load still runs.
+    if second == "a new request under its id":
+        again = FakeRequest("B", list(range(40)), BS)
+        assert sched.get_num_new_matched_tokens(again, 0) == (None, False)
+        assert sched.request_finished(again) == (False, None)
+    else:
+        assert sched.request_finished(b) == (False, None)
+    # 3. the load is still accounted for: its blocks stay referenced, the scheduler is not idle.
+    assert not sched.is_idle() and sched.num_inflight_transfers == 1
+    assert [gpu.blocks[i].ref_cnt for i in meta.load_gpu_blocks] == [1, 1]
+    assert sched.cpu_pool.num_held_blocks() == 2
+    sched.check_integrity()
+    # 4. the load completes: every reference goes back.
+    sched.update_connector_output(report(finished_load_reqs=["B"]))
+    assert not sched.has_request("B")
+    assert_idle(sched, gpu)
+
+
 def test_abort_before_metadata_still_sends_the_load():
     sched, gpu = make_scheduler(block_size=BS)
     store_prefix(sched, gpu, FakeRequest("A", list(range(40)), BS))

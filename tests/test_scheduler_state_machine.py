@@ -1,6 +1,8 @@
-"""Property test: random admissions, steps, completions (in any order, some failing), aborts and
-preemptions against the scheduler side. After every rule: pools are consistent, no block with a
-transfer in flight is free, and when everything is drained all references are back to zero."""
+"""Property test: random admissions (some in client sessions), steps, completions (in any order, some
+failing), aborts, preemptions and session closes against the scheduler side. After every rule: pools are
+consistent, no block with a transfer in flight is free, and when everything is drained all references are
+back to zero. On every CPU allocation: no cached block is evicted while an empty block is free (a copy
+given up after a load or a session close goes before older content, never ahead of free room)."""
 
 from dataclasses import dataclass
 
@@ -9,7 +11,9 @@ from helpers import FakeRequest, make_scheduler, report
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from offload_connector.hashing import with_group_id
 from scheduler_side import StepRequest
+from scheduler_side.hints import session_params
 
 BS = 4
 PREFIXES = [list(range(100 * p, 100 * p + 12)) for p in range(3)]
@@ -24,8 +28,11 @@ class Running:
 
 
 class SchedulerMachine(RuleBasedStateMachine):
+    # CPU tiers smaller than the working set, and larger (40..64 blocks: loads and session closes then give
+    # up copies while the tier still has empty blocks)
     @initialize(policy=st.sampled_from(["eager", "lazy"]), world_size=st.sampled_from([1, 2]),
-                num_cpu_blocks=st.integers(2, 12), eviction=st.sampled_from(["lru", "arc"]))
+                num_cpu_blocks=st.one_of(st.integers(2, 12), st.integers(40, 64)),
+                eviction=st.sampled_from(["lru", "arc"]))
     def setup(self, policy, world_size, num_cpu_blocks, eviction):
         self.sched, self.gpu = make_scheduler(num_gpu_blocks=24, num_cpu_blocks=num_cpu_blocks,
                                               block_size=BS, world_size=world_size, store_policy=policy,
@@ -34,15 +41,36 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.reqs: dict[str, Running] = {}
         self.sent_loads: list[str] = []  # requests whose load was handed to the workers
         self.load_reads: dict[str, set[int]] = {}  # sent load -> the CPU blocks it reads until it completes
+        self.load_writes: dict[str, list[int]] = {}  # sent load -> the GPU blocks it writes
         self.stores: dict[int, list[int]] = {}  # store event -> GPU blocks
         self.next_id = 0
+        self.watch_cpu_evictions()
+
+    def watch_cpu_evictions(self):
+        """Record every CPU allocation that evicts a cached block while an empty one is free."""
+        self.evictions_with_room: list[str] = []
+        pool = self.sched.cpu_pool
+        allocate = pool.allocate
+
+        def allocate_checked(num):
+            empty, before = sum(1 for b in pool.free_queue if b.block_hash is None), pool.num_evictions
+            out = allocate(num)
+            if out is not None and pool.num_evictions - before > max(0, num - empty):
+                self.evictions_with_room.append(f"{pool.num_evictions - before} cached blocks evicted for "
+                                                f"{num} blocks while {empty} empty blocks were free")
+            return out
+
+        pool.allocate = allocate_checked
 
     # --- the engine side ---------------------------------------------------------------------
-    @rule(prefix=st.integers(0, 2), extra=st.integers(0, 9), gpu_hit=st.booleans())
-    def admit(self, prefix, extra, gpu_hit):
+    @rule(prefix=st.integers(0, 2), extra=st.integers(0, 9), gpu_hit=st.booleans(),
+          session=st.sampled_from([None, "s0", "s1"]))
+    def admit(self, prefix, extra, gpu_hit, session):
         rid = f"r{self.next_id}"
         self.next_id += 1
         req = FakeRequest(rid, PREFIXES[prefix] + [7000 + self.next_id] * extra, BS)
+        if session is not None:
+            req.kv_transfer_params = session_params(session)
         self._admit(req, BS if gpu_hit else 0)
 
     def _admit(self, req, gpu_hit_tokens):
@@ -81,6 +109,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         start = 0
         for rid, n in zip(meta.load_event_reqs, meta.load_req_num_blocks, strict=True):
             self.load_reads[rid] = set(meta.load_cpu_blocks[start:start + n])
+            self.load_writes[rid] = list(meta.load_gpu_blocks[start:start + n])
             start += n
 
     def every_rank(self, data, **fields) -> list:
@@ -103,8 +132,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(self.sent_loads))
         self.sent_loads.remove(rid)
         self.load_reads.pop(rid, None)
+        writes = self.load_writes.pop(rid, [])
+        bad = data.draw(st.lists(st.sampled_from(writes), max_size=len(writes))) if failed and writes else []
         self.sched.update_connector_output(
-            self.every_rank(data, finished_load_reqs=[rid], failed_load_gpu_blocks=[1] if failed else []))
+            self.every_rank(data, finished_load_reqs=[rid], failed_load_gpu_blocks=bad))
         if rid in self.reqs:
             self.reqs[rid].loading = False
 
@@ -114,6 +145,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.reqs)))
         r = self.reqs.pop(rid)
         assert self.sched.request_finished(r.req) == (False, None)
+        if not r.loading:  # the engine's prefix cache keeps its computed full blocks (lazy stores them)
+            for i in range(min(r.computed // BS, len(r.req.block_hashes))):
+                self.gpu.cache(self.gpu.blocks[r.gpu_ids[i]], with_group_id(r.req.block_hashes[i], 0))
         self.gpu.free([self.gpu.blocks[i] for i in reversed(r.gpu_ids)])
 
     @precondition(lambda self: any(not r.loading for r in self.reqs.values()))
@@ -125,7 +159,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.gpu.free([self.gpu.blocks[i] for i in reversed(r.gpu_ids)])
         self._admit(r.req, 0)
 
+    @rule(session=st.sampled_from(["s0", "s1"]))
+    def close_session(self, session):
+        """The client says the session ended: its CPU copies move to the eviction end."""
+        self.sched.close_session(session)
+
     # --- invariants --------------------------------------------------------------------------
+    @invariant()
+    def no_cached_block_evicted_while_an_empty_one_is_free(self):
+        assert not self.evictions_with_room, self.evictions_with_room[0]
+        first_cached = None  # and none would be: every empty free block comes first in eviction order
+        for block in self.sched.cpu_pool.free_queue:
+            if block.block_hash is not None:
+                first_cached = first_cached or block
+            else:
+                assert first_cached is None, f"cached {first_cached} is evicted before the empty {block}"
+
     @invariant()
     def pools_consistent(self):
         self.sched.check_integrity()

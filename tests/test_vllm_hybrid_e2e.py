@@ -2,7 +2,8 @@
 config-only Gemma-2-style model (`tiny_gemma2`: sliding window of 64 tokens on layers 0 and 2, full
 attention on layers 1 and 3; dummy weights; block size 32).
 
-The connector declares `SupportsHMA`, so vLLM keeps HMA on: two KV-cache groups (sliding window, full
+The connector declares `SupportsHMA`, and with `store_policy` unset (lazy for one group) it runs a hybrid
+model with eager stores, so vLLM keeps HMA on: two KV-cache groups (sliding window, full
 attention) over one shared GPU block pool, and the connector stores and loads per group. Checked: vLLM's
 config says HMA is on with both groups and its log has no "Turning off hybrid kv cache manager"; greedy
 outputs equal those of the same model without the connector (HMA on and off); a prefix evicted from the
@@ -112,6 +113,7 @@ def run(llm_and_warnings: tuple[LLM, list[str]]) -> dict:
         "warnings": warnings,
     }
     if connector is not None:
+        result["store_policy"] = connector.config.store_policy
         result["stats"] = connector.offload.stats.snapshot()
         result["idle"] = connector.offload.is_idle() and connector.offload.cpu_pool.num_held_blocks() == 0
         result["loads"] = list(loads)
@@ -153,6 +155,7 @@ def runs() -> dict:
 def test_hma_stays_on_with_the_connector(runs: dict) -> None:
     groups = ["SlidingWindowSpec", "FullAttentionSpec"]
     assert (runs["connector"]["hma"], runs["connector"]["groups"]) == (True, groups)
+    assert runs["connector"]["store_policy"] == "eager"  # unset: eager for a hybrid model
     assert (runs["plain_on"]["hma"], runs["plain_on"]["groups"]) == (True, groups)
     assert (runs["plain_off"]["hma"], runs["plain_off"]["groups"]) == (False, ["FullAttentionSpec"])
     assert not any("Turning off hybrid kv cache manager" in m for m in runs["connector"]["warnings"])
@@ -198,7 +201,7 @@ def test_a_one_group_config_runs_with_hma_off(runs: dict) -> None:
     """`store_policy: lazy` works per single group: our plugin turns vLLM's HMA off (left unset by the user)
     instead of the engine refusing the hybrid model at start-up; outputs unchanged, prefixes come back."""
     lazy = runs["lazy"]
-    assert (lazy["hma"], lazy["groups"]) == (False, ["FullAttentionSpec"])
+    assert (lazy["hma"], lazy["groups"], lazy["store_policy"]) == (False, ["FullAttentionSpec"], "lazy")
     assert lazy["outputs"] == runs["plain_on"]["outputs"]
     assert lazy["cached"][2] == 160 and lazy["stats"]["num_hit_tokens"] >= 160
     assert lazy["stats"]["num_failed_load_blocks"] == 0

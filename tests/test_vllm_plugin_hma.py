@@ -1,7 +1,8 @@
 """The vLLM plugin keeps vLLM's hybrid KV cache manager (HMA) off for our configs that support one KV-cache
-group (`store_policy: lazy`, a remote tier) when the user left `disable_hybrid_kv_cache_manager` unset:
-a hybrid model then runs with one group instead of being refused at start-up. The end-to-end case is in
-`tests/test_vllm_hybrid_e2e.py`."""
+group (`store_policy: lazy` set explicitly, a remote tier) when the user left
+`disable_hybrid_kv_cache_manager` unset: a hybrid model then runs with one group instead of being refused
+at start-up. An unset `store_policy` (lazy for one group, eager for several) leaves HMA on. The end-to-end
+cases are in `tests/test_vllm_hybrid_e2e.py`."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def engine_args(extra: dict | None, hma_off: bool | None = None, connector: str 
     ({"store_policy": "lazy"}, True),
     ({"remote": {"url": "redis://127.0.0.1:6379"}}, True),
     ({"store_policy": "eager"}, None),
-    ({}, None),  # the default, eager: HMA stays vLLM's choice (on, since we declare SupportsHMA)
+    ({}, None),  # unset: eager for a hybrid model, so HMA stays vLLM's choice (on: we declare SupportsHMA)
+    ({"cpu_bytes": "1GiB"}, None),
     ({"store_policy": "sideways"}, None),  # a bad config is left for the config check to refuse
 ])
 def test_one_group_configs_turn_hma_off_when_unset(extra: dict, expected: bool | None) -> None:

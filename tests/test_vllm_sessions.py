@@ -43,12 +43,14 @@ def gen(llm, prompt: list[int], kv: dict | None = None) -> list[int]:
 
 
 def cpu_head(offload, n: int) -> list[bytes | None]:
-    """The first `n` blocks of the CPU tier's free queue (the eviction end): their content keys."""
+    """The first `n` cached blocks of the CPU tier's free queue (the eviction end of its content, behind
+    its empty blocks): their content keys."""
     out = []
     for block in offload.cpu_pool.free_queue:
         if len(out) == n:
             break
-        out.append(block.block_hash)
+        if block.block_hash is not None:
+            out.append(block.block_hash)
     return out
 
 
@@ -60,8 +62,8 @@ def cached_keys(offload, keys: list[bytes]) -> list[bytes]:
 def runs() -> dict:
     r: dict = {}
     kv = KVTransferConfig(kv_connector="OffloadConnector", kv_connector_module_path="offload_connector.vllm_connector",
-                          kv_role="kv_both", kv_connector_extra_config={"cpu_bytes": "64MiB"})
-    llm = make_llm(kv)
+                          kv_role="kv_both", kv_connector_extra_config={"cpu_bytes": "64MiB", "store_policy": "eager"})
+    llm = make_llm(kv)  # eager: each prompt's blocks are on the CPU once it finishes, so a close has copies to move
     offload = llm.llm_engine.engine_core.engine_core.scheduler.connector.offload
     try:
         # 1. store: false stores nothing

@@ -64,7 +64,9 @@ def test_inline_keys_win_over_the_config_file(tmp_path) -> None:
 
 def test_no_extra_config_is_the_embedded_default() -> None:
     assert resolve_config(None).cpu_bytes == 8 * 2**30
-    assert resolve_config({}).store_policy == "eager"
+    assert resolve_config({}).store_policy == "lazy"
+    assert resolve_config({}, num_kv_groups=2).store_policy == "eager"  # a hybrid model keeps vLLM's HMA on
+    assert resolve_config({"store_policy": "lazy"}, num_kv_groups=2).store_policy == "lazy"
 
 
 def test_bad_extra_config_names_the_key() -> None:
@@ -122,7 +124,7 @@ def test_hybrid_models_need_eager_stores_and_no_remote_tier() -> None:
     from offload_connector.vllm_setup import check_groups_config
 
     hybrid = describe_kv_cache(*fake_configs(extra_group_cls=SlidingWindowSpec))
-    check_groups_config(resolve_config({}), hybrid)
+    check_groups_config(resolve_config({}, len(hybrid.groups)), hybrid)  # unset: eager for a hybrid model
     with pytest.raises(UnsupportedSetupError, match="store_policy='lazy'.*allowed with several groups: "
                                                      "store_policy: eager"):
         check_groups_config(resolve_config({"store_policy": "lazy"}), hybrid)

@@ -87,9 +87,12 @@ class Sim:
             enable_chunked_prefill=True, is_encoder_decoder=False, async_scheduling=mode == "async")
         cache_config = CacheConfig(block_size=BS, enable_prefix_caching=True)
         cache_config.kv_cache_layout = "LBNHC"
+        # The stories here are told with eager's stores unless a test names its policy; a hybrid model's
+        # unset store_policy is eager anyway (resolved by the connector from its KV-cache groups).
+        policy = {"store_policy": "eager"} if window is None else {}
         kv_transfer = KVTransferConfig(
             kv_connector="OffloadConnector", kv_connector_module_path="offload_connector.vllm_connector",
-            kv_role="kv_both", kv_connector_extra_config={"num_cpu_blocks": num_cpu_blocks, **extra},
+            kv_role="kv_both", kv_connector_extra_config={"num_cpu_blocks": num_cpu_blocks, **policy, **extra},
             kv_load_failure_policy=failure_policy)
         vllm_config = VllmConfig(model_config=model_config, scheduler_config=scheduler_config,
                                  cache_config=cache_config, kv_transfer_config=kv_transfer,
