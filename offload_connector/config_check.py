@@ -21,15 +21,16 @@ VLLM_DEFAULT_BLOCK_SIZE = 16  # vLLM's CacheConfig.DEFAULT_BLOCK_SIZE (GPU backe
 
 def check_config(path: str, model_config: str | None = None, tp: int = 1, block_size: int | None = None,
                  dtype: str | None = None, host_memory: bool = True) -> dict[str, Any]:
-    config = load_config(path)
+    kv = from_hf_config(read_hf_config(model_config), where=model_config, dtype=dtype) if model_config else None
+    # An unset store_policy resolves as the connector resolves it for this model (eager for a hybrid one).
+    config = load_config(path, num_kv_groups=2 if kv is not None and kv.is_hybrid else 1)
     out: dict[str, Any] = {
         "valid": True, "config": path, "store_policy": config.store_policy, "eviction": config.eviction,
         "transfer_backend": config.transfer.backend, "remote": config.remote is not None,
         "cpu_bytes": int(config.cpu_bytes), "num_cpu_blocks": config.num_cpu_blocks, "tp": tp,
     }
-    if model_config is None:
+    if kv is None:
         return out
-    kv = from_hf_config(read_hf_config(model_config), where=model_config, dtype=dtype)
     block_size = block_size or VLLM_DEFAULT_BLOCK_SIZE
     hybrid_manager = keeps_hybrid_manager(config)
     bytes_per_block = kv.bytes_per_block(block_size, tp, hybrid_manager)

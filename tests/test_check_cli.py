@@ -57,16 +57,18 @@ def test_per_rank_bytes_blocks_and_tokens_for_a_model(capsys, offload_yaml) -> N
 
 def test_a_hybrid_model_follows_the_store_policy(capsys, tmp_path) -> None:
     """eager keeps vLLM's hybrid KV cache manager on (a block holds one group's 2 layers), lazy turns it off
-    (all 4 layers)."""
+    (all 4 layers); unset is eager for a hybrid model, as the connector resolves it."""
     pytest.importorskip("transformers")  # fills in Gemma 2's layer_types, as for vLLM
-    sizes = {}
-    for policy in ("eager", "lazy"):
+    sizes, policies = {}, {}
+    for policy in ("eager", "lazy", None):
         path = tmp_path / f"{policy}.yaml"
-        path.write_text(f"cpu_bytes: 1GiB\nstore_policy: {policy}\n")
+        path.write_text("cpu_bytes: 1GiB\n" + (f"store_policy: {policy}\n" if policy else ""))
         code, out, _ = check(capsys, str(path), "--model-config", GEMMA2, "--block-size", "32", "--json")
         assert code == 0
         sizes[policy] = json.loads(out)["per_rank"]["bytes_per_block"]
-    assert sizes == {"eager": 32768, "lazy": 65536}
+        policies[policy] = json.loads(out)["store_policy"]
+    assert sizes == {"eager": 32768, "lazy": 65536, None: 32768}
+    assert policies == {"eager": "eager", "lazy": "lazy", None: "eager"}
 
 
 @pytest.mark.parametrize(("yaml", "args", "error"), [
