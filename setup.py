@@ -6,5 +6,5 @@
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("worker_side._segcopy", ["worker_side/_segcopy.c"], optional=True,
+setup(ext_modules=[Extension("worker_side.backends._segcopy", ["worker_side/backends/_segcopy.c"], optional=True,
                              extra_compile_args=["-O2"])])

@@ -7,7 +7,7 @@ before and after). Block-id patterns: `runs` (random runs of 16 consecutive ids 
 scheduler's pools mostly hand out) and `scattered` (independent random permutations). Best of `--reps`.
 JSON: `store_vs_memcpy` / `load_vs_memcpy` (min over sizes, `runs`), `*_scattered`, per-size under `sizes`.
 
-`--backend cuda-sim`: the CUDA backend on the simulated device (worker_side.cuda_sim), a Llama-8B-like KV
+`--backend cuda-sim`: the CUDA backend on the simulated device (worker_side.testing.cuda_sim), a Llama-8B-like KV
 cache (32 layers, 8 KV heads of 128, fp16, 16-token blocks: 2 MiB a block) in each layout (block first, K/V
 first, head-major LHBNC), 1 to 1024 blocks per job, runs and scattered ids, under two copy policies:
 `default` (the configuration's: the kernel for loads of small segments, batched DMA otherwise; no
@@ -123,8 +123,8 @@ def bench_cuda_sim(reps: int, seed: int) -> dict:
 
 
 def bench_cuda_sim_policy(reps: int, seed: int, policy: str) -> dict:
-    from worker_side.cuda_backend import CudaBackend
-    from worker_side.cuda_sim import SimCudaRuntime
+    from worker_side.backends.cuda.backend import CudaBackend
+    from worker_side.testing.cuda_sim import SimCudaRuntime
 
     rng = random.Random(seed)
     pool = max(SIM_COUNTS) + 1

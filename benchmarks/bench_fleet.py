@@ -33,12 +33,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from offload_connector.cli.trace import bundled_trace_path, output_length, prompt_tokens, read_trace  # noqa: E402
 from offload_connector.config import load_config  # noqa: E402
 from offload_connector.fake_engine import FakeEngine  # noqa: E402
-from offload_connector.remote_client import RemoteClient  # noqa: E402
-from offload_connector.remote_format import HEADER_BYTES, decode_value, encode_value  # noqa: E402
-from offload_connector.trace import bundled_trace_path, output_length, prompt_tokens, read_trace  # noqa: E402
-from worker_side.remote_io import batch_blocks  # noqa: E402
+from offload_connector.remote.client import RemoteClient  # noqa: E402
+from offload_connector.remote.format import HEADER_BYTES, decode_value, encode_value  # noqa: E402
+from worker_side.tiers.remote_io import batch_blocks  # noqa: E402
 
 
 class BenchmarkError(RuntimeError):

@@ -41,9 +41,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from offload_connector.cli import BUNDLED_SIZES  # noqa: E402
+from offload_connector.cli.main import BUNDLED_SIZES  # noqa: E402
+from offload_connector.cli.trace import TRACE_BLOCK_TOKENS, TraceRequest, bundled_trace_path, read_trace  # noqa: E402
 from offload_connector.config import default_config_dict, merge_configs  # noqa: E402
-from offload_connector.trace import TRACE_BLOCK_TOKENS, TraceRequest, bundled_trace_path, read_trace  # noqa: E402
 
 BLOCK_SIZE = 16  # the default engine's block size (scaled: one trace block = 16 tokens)
 # name -> (store_policy, eviction, branch_filter, session_close)
@@ -67,7 +67,7 @@ class BenchmarkError(RuntimeError):
 
 def _stream(requests: list[TraceRequest]) -> tuple[list[list[int]], list[int], list[int]]:
     """Per request: its full blocks (hash ids), how many may hit, and its scaled prompt tokens."""
-    from offload_connector.trace import prompt_length
+    from offload_connector.cli.trace import prompt_length
 
     blocks, limits, tokens = [], [], []
     for req in requests:
@@ -195,8 +195,8 @@ def _replay_point(point: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
+    from offload_connector.cli.replay import run_replay
     from offload_connector.config import load_config
-    from offload_connector.replay import run_replay
 
     policy, eviction, branch_filter, close = SERIES[point["series"]]
     gpu, cpu = point["gpu_blocks"], point["cpu_blocks"]

@@ -36,8 +36,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from offload_connector.cli.trace import bundled_trace_path, read_trace  # noqa: E402
 from offload_connector.config import default_config_dict, merge_configs  # noqa: E402
-from offload_connector.trace import bundled_trace_path, read_trace  # noqa: E402
 
 DEFAULT_GPU_BLOCKS = 2196
 DEFAULT_CPU_SIZES = (2, 1098, 2196, 4392, 6588, 8784, 13176, 17568, 35136)  # 2: the smallest allowed (block 0 is null)
@@ -132,7 +132,7 @@ def _replay_point(point: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)  # two workers on two shared cores
-    from offload_connector.replay import replay_config, run_replay
+    from offload_connector.cli.replay import replay_config, run_replay
 
     config = replay_config(point.get("config"), gpu_blocks=point["gpu_blocks"],
                            cpu_blocks=point["cpu_blocks"], store_policy=point["policy"],

@@ -66,8 +66,8 @@ from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata  #
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from offload_connector.metadata import WorkerReport, decode_report, encode  # noqa: E402
-from offload_connector.remote_format import block_key  # noqa: E402
-from offload_connector.vllm_connector import OffloadWorkerMetadata  # noqa: E402
+from offload_connector.remote.format import block_key  # noqa: E402
+from offload_connector.vllm.connector import OffloadWorkerMetadata  # noqa: E402
 
 MODEL_DIR = str(Path(__file__).resolve().parent.parent / "tests" / "tiny_llama")
 EOS = 2

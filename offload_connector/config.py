@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
-from offload_connector.remote_config import RemoteConfig, check_remote
+from offload_connector.remote.config import RemoteConfig, check_remote
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -45,7 +45,7 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A load not done this many seconds after it was issued is reported failed (its request recomputes);
     # its blocks stay quarantined until the copy ends (worker.py, completions.py). None: wait forever.
     load_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] | None = 30.0
-    # CUDA only: which copies the block-copy kernel may take instead of DMA (worker_side/kernel_policy.py).
+    # CUDA only: which copies the block-copy kernel may take instead of DMA (worker_side/backends/cuda/kernel_policy.py).
     # Defaults are vLLM's H100 measurements until our own GPU figures replace them; `calibrate` measures
     # kernel against DMA on the device at start-up and picks the thresholds per device instead.
     kernel_directions: tuple[str, ...] = ("load",)  # each 'load' or 'store', at most once; () = DMA only
@@ -85,7 +85,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lazy_lookahead_blocks: NonNegativeInt | None = None
     max_store_wait_steps: NonNegativeInt = 8
     eviction: Literal["lru", "arc"] = "lru"
-    branch_filter: bool = False  # drop superseded branches from the CPU tier (scheduler_side/admission.py)
+    branch_filter: bool = False  # drop superseded branches from the CPU tier (scheduler_side/admission/filter.py)
     transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
     hash_algo: Literal["xxh3_128", "sha256"] = "xxh3_128"
     metrics: bool = True

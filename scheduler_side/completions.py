@@ -26,15 +26,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from offload_connector.metadata import WorkerReport
-from scheduler_side.block_pool import BlockPool
 from scheduler_side.errors import SchedulerError
 from scheduler_side.interfaces import GpuPool
-from scheduler_side.remote_tier import RemoteTier
+from scheduler_side.policies.store_policy import StorePolicy
+from scheduler_side.pool.block_pool import BlockPool
 from scheduler_side.request_state import LoadJob, Phase, RequestState, StoreEvent
 from scheduler_side.stats import SchedulerStats
-from scheduler_side.store_policy import StorePolicy
+from scheduler_side.tiers.remote.tier import RemoteTier
 
-logger = logging.getLogger("scheduler_side.connector")
+logger = logging.getLogger("scheduler_side.scheduler")
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple, Protocol
 
-from scheduler_side.block_pool import BlockPool
+from scheduler_side.pool.block_pool import BlockPool
 
 
 class RequestLike(Protocol):

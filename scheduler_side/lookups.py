@@ -13,14 +13,14 @@ from collections.abc import Callable, Sequence
 
 from offload_connector.config import OffloadConfig
 from offload_connector.hashing import group_suffix, with_group_id
-from scheduler_side.block_pool import BlockPool
 from scheduler_side.errors import SchedulerError
-from scheduler_side.free_queue import Block
 from scheduler_side.interfaces import RequestLike
-from scheduler_side.remote_tier import RemoteTier
+from scheduler_side.policies.store_policy import StorePolicy
+from scheduler_side.pool.block_pool import BlockPool
+from scheduler_side.pool.free_queue import Block
 from scheduler_side.request_state import PendingHit, Phase, RequestState
 from scheduler_side.stats import SchedulerStats
-from scheduler_side.store_policy import StorePolicy
+from scheduler_side.tiers.remote.tier import RemoteTier
 
 
 class Lookups:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from scheduler_side.admission.hints import RequestHints
 from scheduler_side.errors import SchedulerError
-from scheduler_side.free_queue import Block
-from scheduler_side.hints import RequestHints
 from scheduler_side.interfaces import RequestLike
+from scheduler_side.pool.free_queue import Block
 
 
 class Phase(enum.Enum):

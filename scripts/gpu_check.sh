@@ -13,7 +13,7 @@
 #      over what the machine has; the steps below import this checkout (PYTHONPATH) either way;
 #   2. records the versions and device attributes the CUDA path relies on (env.json, env.txt): driver, torch,
 #      cupy, NVRTC, CUDA headers, cuda-bindings, SM count, CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, memlock;
-#   3. runs `pytest -m gpu` (tests/test_worker_cuda.py: every copy path, the race tests on the kernel and the
+#   3. runs `pytest -m gpu` (tests/cuda_path/test_worker_cuda.py: every copy path, the race tests on the kernel and the
 #      batched DMA paths, the calibration) -> pytest_gpu.log, pytest_gpu.xml;
 #   4. runs the data-path benchmark on the GPU -> bench_cuda.json (benchmarks/bench_datapath.py --backend cuda);
 #   5. runs the kernel's round trips under compute-sanitizer memcheck and racecheck, where compute-sanitizer is
@@ -157,7 +157,7 @@ def devices():
 attempt("devices", devices)
 
 def runtime():
-    from worker_side.cuda_runtime import TorchCudaRuntime
+    from worker_side.backends.cuda.runtime import TorchCudaRuntime
     rt = TorchCudaRuntime()
     info = {"supports_batch": rt.supports_batch, "supports_kernel": rt.supports_kernel,
             "kernel_error": rt.kernel_error, "num_sms": rt.num_sms(0), "can_use_host_pointer": rt.can_use_host_pointer(0)}
@@ -172,7 +172,7 @@ open(f"{out}/env.txt", "w").write("".join(f"{k}: {v}\n" for k, v in env.items())
 EOF
 
 # ---- 3. pytest -m gpu -------------------------------------------------------------------------------------
-run_step pytest_gpu 200 "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider tests/test_worker_cuda.py \
+run_step pytest_gpu 200 "$PY" -m pytest -m gpu -v -rA -p no:cacheprovider tests/cuda_path/test_worker_cuda.py \
     --junitxml="$OUT/pytest_gpu.xml" -o log_level=INFO > "$OUT/pytest_gpu.log" 2>&1
 tail -n 25 "$OUT/pytest_gpu.log"
 
@@ -192,7 +192,7 @@ if [ -n "$SANITIZER" ]; then
     SELECT="test_round_trip_bit_exact and kernel and block_first"
     for tool in memcheck racecheck; do
         run_step "sanitizer_$tool" 90 "$SANITIZER" --tool "$tool" --target-processes all --error-exitcode 3 \
-            "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_worker_cuda.py -k "$SELECT" \
+            "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/cuda_path/test_worker_cuda.py -k "$SELECT" \
             > "$OUT/sanitizer_$tool.log" 2>&1
         tail -n 8 "$OUT/sanitizer_$tool.log"
     done
@@ -202,9 +202,9 @@ else
 fi
 
 # ---- 6. the CUDA tests that need no GPU ----------------------------------------------------------------------
-run_step pytest_unit 90 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" tests/test_cuda_kernel_source.py \
-    tests/test_cuda_runtime_fakes.py tests/test_cuda_bindings_stub.py tests/test_cuda_defects.py \
-    tests/test_cuda_calibration.py \
+run_step pytest_unit 90 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" tests/cuda_path/test_cuda_kernel_source.py \
+    tests/cuda_path/test_cuda_runtime_fakes.py tests/cuda_path/test_cuda_bindings_stub.py tests/cuda_path/test_cuda_defects.py \
+    tests/cuda_path/test_cuda_calibration.py \
     > "$OUT/pytest_unit.log" 2>&1
 tail -n 5 "$OUT/pytest_unit.log"
 

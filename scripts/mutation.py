@@ -4,7 +4,7 @@
     python scripts/mutation.py worker            # one target (worker | cudasim | scheduler), fresh
     python scripts/mutation.py worker --again    # after adding tests: rerun only what was not killed
     python scripts/mutation.py worker --report   # print the last run's score and survivors again
-    python scripts/mutation.py cudasim --only 'worker_side.cuda_backend.*_fence*'   # just these mutants
+    python scripts/mutation.py cudasim --only 'worker_side.backends.cuda.backend.*_fence*'   # just these mutants
 
 A *target* is a set of files to mutate and the fast tests that may kill them; mutmut then runs, for each
 mutant, only the selected tests that call the mutated function. The targets:
@@ -12,7 +12,7 @@ mutant, only the selected tests that call the mutated function. The targets:
 - `cudasim`: the CUDA backend and its argument ring, exercised on the simulated device (`-m cudasim`;
   the first chunk of each randomized replay test only: the others repeat it with more seeds);
 - `scheduler`: all of scheduler_side/.
-Never mutated: worker_side/cuda_runtime.py (the real CUDA runtime: no test reaches it without a GPU) and the
+Never mutated: worker_side/backends/cuda/runtime.py (the real CUDA runtime: no test reaches it without a GPU) and the
 test doubles (cuda_sim.py, sim_streams.py, faults.py).
 
 mutmut works in ./mutants/; each target's results are kept in ./mutants-TARGET/ between runs (renamed to
@@ -59,29 +59,26 @@ class Target:
 
 TARGETS = {
     "worker": Target(
-        mutate=("worker_side/worker.py", "worker_side/cpu_backend.py", "worker_side/copy_plan.py",
+        mutate=("worker_side/worker.py", "worker_side/backends/cpu.py", "worker_side/copy_plan.py",
                 "worker_side/block_layout.py", "worker_side/host_pool.py", "worker_side/host_memory.py",
-                "worker_side/backend_select.py", "worker_side/backend.py", "worker_side/errors.py"),
-        tests=("tests/test_worker_*.py", "tests/test_integrity.py", "tests/test_fake_engine.py",
-               "tests/test_fake_engine_scenarios.py", "tests/test_mutation_kills_worker*.py"),
+                "worker_side/backends/select.py", "worker_side/backends/base.py", "worker_side/errors.py"),
+        tests=("tests/worker/test_*.py", "tests/engine/test_integrity.py", "tests/engine/test_fake_engine.py",
+               "tests/engine/test_fake_engine_scenarios.py"),
         description="worker_side/ on the CPU path"),
     "cudasim": Target(
-        mutate=("worker_side/cuda_backend.py", "worker_side/arg_ring.py", "worker_side/cuda_api.py"),
-        tests=("tests/test_cudasim.py", "tests/test_worker_cuda.py", "tests/test_cuda_kernel_source.py",
-               "tests/test_mutation_kills_cuda*.py"),
+        mutate=("worker_side/backends/cuda/*.py",),
+        tests=("tests/cuda_path/test_*.py",),
         description="worker_side/ CUDA backend on the simulated device",
         # The randomized replays run 240 + 60 seeds (about 25 s of the target's 36 s per mutant): keep the
         # first chunk of each (30 and 20 seeds); without this a fresh run takes hours on 2 cores.
-        deselect=(*(f"tests/test_cudasim.py::test_replays_under_adversarial_schedules[{i}]" for i in range(1, 8)),
-                  *(f"tests/test_cudasim.py::test_tensor_parallel_replays_two_simulated_gpus[{i}]" for i in (1, 2)))),
+        deselect=(*(f"tests/cuda_path/test_cudasim.py::test_replays_under_adversarial_schedules[{i}]" for i in range(1, 8)),
+                  *(f"tests/cuda_path/test_cudasim.py::test_tensor_parallel_replays_two_simulated_gpus[{i}]" for i in (1, 2)))),
     "scheduler": Target(
-        mutate=("scheduler_side/*",),
-        tests=("tests/test_block_pool.py", "tests/test_arc_queue.py", "tests/test_lazy_policy.py",
-               "tests/test_scheduler_*.py", "tests/test_integrity.py", "tests/test_fake_engine.py",
-               "tests/test_fake_engine_scenarios.py", "tests/test_mutation_kills_scheduler*.py",
-               "tests/test_admission.py", "tests/test_session_hints.py", "tests/test_remote_scheduler.py",
-               "tests/test_remote_state_machine.py", "tests/test_remote_client.py",
-               "tests/test_remote_fake_engine.py"),
+        mutate=("scheduler_side/*.py", "scheduler_side/*/*.py", "scheduler_side/*/*/*.py"),
+        tests=("tests/scheduler/test_*.py", "tests/engine/test_integrity.py", "tests/engine/test_fake_engine.py",
+               "tests/engine/test_fake_engine_scenarios.py", "tests/remote/test_remote_scheduler.py",
+               "tests/remote/test_remote_state_machine.py", "tests/remote/test_remote_client.py",
+               "tests/remote/test_remote_fake_engine.py", "tests/remote/test_mutation_kills_*.py"),
         description="scheduler_side/"),
 }
 

@@ -1,13 +1,18 @@
-"""Running the fake engine through the CUDA backend on the simulated device (worker_side.cuda_sim)."""
+"""Running the fake engine through the CUDA backend on the simulated device (worker_side.testing.cuda_sim)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offload_connector.fake_engine import FakeEngine
+import torch
+
+from offload_connector import load_config
+from offload_connector.fake_engine import FakeEngine, IntegrityError
 from offload_connector.fake_engine.workload import random_workload, run_workload, small_config
-from worker_side.cuda_backend import CudaBackend
-from worker_side.cuda_sim import SCHEDULES, SimCompute, SimCudaRuntime
+from offload_connector.metadata import TransferMetadata
+from worker_side import OffloadWorker
+from worker_side.backends.cuda.backend import CudaBackend
+from worker_side.testing.cuda_sim import SCHEDULES, SimCompute, SimCudaRuntime
 
 
 @dataclass
@@ -42,3 +47,74 @@ def run_on_sim(seed: int, schedule: str, num_gpu_blocks: int, num_cpu_blocks: in
                     compute=computes if tp_size > 1 else computes[0], tp_size=tp_size) as engine:
         aborted = run_workload(engine, wl)
     return SimRun(engine, rt, aborted)
+
+
+def caught(seeds: range, **overrides) -> list[int]:
+    out = []
+    for seed in seeds:
+        try:
+            run = run_on_sim(seed, **{**sim_case(seed), **overrides})
+            if run.engine.stats.integrity_errors:
+                out.append(seed)
+        except IntegrityError:
+            out.append(seed)
+    return out
+
+
+def sim_worker(rt: SimCudaRuntime, kv: dict[str, torch.Tensor], num_gpu_blocks: int, layout: str | None = None,
+               rank: int = 0, **backend_options) -> OffloadWorker:
+    w = OffloadWorker(load_config({"num_cpu_blocks": 40}), world_size=rank + 1, rank=rank,
+                      backend=CudaBackend(runtime=rt, **backend_options))
+    w.register_kv_caches(kv, num_gpu_blocks=num_gpu_blocks, layout=layout)
+    return w
+
+
+def round_trip(rt: SimCudaRuntime, w: OffloadWorker, kv: dict[str, torch.Tensor], gpu: list[int], cpu: list[int],
+               targets: list[int]) -> None:
+    """Store gpu -> cpu, clobber, load cpu -> targets; the target blocks must equal the stored ones."""
+    views = w._views
+    before = [[v.block_tensor(b) for v in views] for b in gpu]
+    w.begin_step()
+    w.start_store(TransferMetadata(store_event=1, store_gpu_blocks=gpu, store_cpu_blocks=cpu))
+    w.wait_all()
+    assert w.get_finished().completed_store_events == [1]
+    for t in kv.values():
+        t.view(torch.uint8).fill_(0x5A)
+    w.begin_step()
+    w.start_load(TransferMetadata(load_event=2, load_gpu_blocks=targets, load_cpu_blocks=cpu,
+                                  load_event_reqs=["r"]))
+    w.wait_all()
+    report = w.get_finished()
+    assert report.finished_load_reqs == ["r"] and not report.failed_load_gpu_blocks
+    for b, t in zip(range(len(gpu)), targets, strict=True):
+        assert all(torch.equal(v.block_tensor(t), before[b][i]) for i, v in enumerate(views)), (b, t)
+    assert rt.faults == []
+
+
+def random_fill(t: torch.Tensor, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=g))
+    return t
+
+
+# (layout hint, logical shape, physical order of a [B, H, N, C] view or None) for 12 GPU blocks
+LAYOUTS = {
+    "block_first": (None, (12, 2, 4, 2, 8), None),
+    "kv_first": (None, (2, 12, 4, 2, 8), None),
+    "kernel_blocks": (None, (24, 2, 2, 8), None),  # 2 kernel rows per block
+    **{name: (name, (12, 2, 4, 16), order) for name, order in
+       {"LBHNC": (0, 1, 2, 3), "LBNHC": (0, 2, 1, 3), "LHBNC": (1, 0, 2, 3), "BLHNC": (0, 1, 2, 3),
+        "BLNHC": (0, 2, 1, 3), "BHLNC": (1, 0, 2, 3)}.items()},
+}
+
+
+def make_kv(rt: SimCudaRuntime, layout: str, device: int = 0, num_layers: int = 3) -> dict[str, torch.Tensor]:
+    _, shape, order = LAYOUTS[layout]
+    kv = {}
+    for i in range(num_layers):
+        if order is None:
+            kv[f"l{i}"] = random_fill(rt.alloc_device(shape, torch.float16, device), i)
+        else:
+            physical = rt.alloc_device(tuple(shape[d] for d in order), torch.float16, device)
+            kv[f"l{i}"] = random_fill(physical, i).permute(*[order.index(d) for d in range(4)])
+    return kv

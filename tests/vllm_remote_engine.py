@@ -1,4 +1,4 @@
-"""One `vllm.LLM` engine in its own process, for tests/test_vllm_remote_e2e.py (not a test module).
+"""One `vllm.LLM` engine in its own process, for tests/vllm_adapter/test_vllm_remote_e2e.py (not a test module).
 
     python tests/vllm_remote_engine.py '{"url": ..., "prompts": [[...], ...], "flush": true}'
 

@@ -50,7 +50,7 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from offload_connector.metadata import WorkerReport, encode  # noqa: E402
-from offload_connector.vllm_connector import OffloadConnector, OffloadWorkerMetadata  # noqa: E402
+from offload_connector.vllm.connector import OffloadConnector, OffloadWorkerMetadata  # noqa: E402
 
 MODEL_DIR = str(Path(__file__).parent / "tiny_llama")
 BS = 16

@@ -5,8 +5,8 @@ Public API: `OffloadWorker` (see worker.py), the `TransferBackend` interface wit
 `CudaBackend` (imported lazily: it needs CUDA at construction, not at import), and `faults.FaultyBackend`.
 """
 
-from worker_side.backend import CopyJob, JobResult, TransferBackend
-from worker_side.cpu_backend import CpuBackend
+from worker_side.backends.base import CopyJob, JobResult, TransferBackend
+from worker_side.backends.cpu import CpuBackend
 from worker_side.errors import (
     BackendError,
     HostPoolError,

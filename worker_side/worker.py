@@ -41,15 +41,15 @@ import torch
 
 from offload_connector.config import OffloadConfig
 from offload_connector.metadata import TransferMetadata, WorkerReport
-from offload_connector.remote_format import RemoteIdentity
+from offload_connector.remote.format import RemoteIdentity
 from offload_connector.sizing import num_cpu_blocks as sized_num_cpu_blocks
-from worker_side.backend import CopyJob, JobKind, JobResult, TransferBackend
-from worker_side.backend_select import make_backend
+from worker_side.backends.base import CopyJob, JobKind, JobResult, TransferBackend
+from worker_side.backends.select import make_backend
 from worker_side.block_layout import BLOCK_FIRST, TensorBlockView, tensor_block_view
 from worker_side.errors import LayoutError, WorkerClosedError, WorkerInvariantError
 from worker_side.host_memory import allocate_host_buffer
 from worker_side.host_pool import HostPool
-from worker_side.remote_io import RemoteWorkerIO
+from worker_side.tiers.remote_io import RemoteWorkerIO
 
 
 @dataclass(slots=True)

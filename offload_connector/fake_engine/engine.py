@@ -12,7 +12,7 @@ With `tp_size` > 1 each tensor-parallel rank has its own model (KV shard), compu
 worker (`compute` and `backend` then take one per rank); the connector counts each event once every rank
 reported it, and a load lets its request resume once every rank finished it (vLLM's aggregation).
 `compute` is where the forward runs: at once on the host (default), or on a simulated GPU's compute stream
-(`worker_side.cuda_sim.SimCompute`, with a `CudaBackend` over the same simulator), where the engine never
+(`worker_side.testing.cuda_sim.SimCompute`, with a `CudaBackend` over the same simulator), where the engine never
 waits for the forward, as with vLLM's async scheduling: transfers are ordered by their fences alone.
 
 `drain()` runs empty connector steps until every transfer is done and applied (and the remote tier's
@@ -36,7 +36,7 @@ from offload_connector.fake_engine.request import EngineRequest, RequestStatus
 from offload_connector.fake_engine.scheduler import EngineScheduler
 from offload_connector.fake_engine.stats import EngineStats
 from offload_connector.metadata import WorkerReport
-from offload_connector.remote_format import RemoteIdentity
+from offload_connector.remote.format import RemoteIdentity
 from scheduler_side import OffloadScheduler
 from worker_side import OffloadWorker, TransferBackend
 

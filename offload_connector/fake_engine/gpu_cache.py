@@ -20,8 +20,8 @@ from __future__ import annotations
 from offload_connector.fake_engine.request import EngineRequest
 from offload_connector.hashing import group_suffix, with_group_id
 from scheduler_side import BlockPool, BlockPoolGpuView
-from scheduler_side.free_queue import Block
 from scheduler_side.groups import FULL_ATTENTION, NULL_GPU_BLOCK, KVGroup, hybrid_hit_end
+from scheduler_side.pool.free_queue import Block
 
 
 class GpuCache:

@@ -1,0 +1,5 @@
+"""The `offload-connector` command (a face): `replay` through the fake engine, `check` of a config."""
+
+from offload_connector.cli.main import main
+
+__all__ = ["main"]

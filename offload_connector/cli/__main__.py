@@ -1,0 +1,3 @@
+from offload_connector.cli.main import main
+
+raise SystemExit(main())

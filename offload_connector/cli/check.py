@@ -1,0 +1,66 @@
+"""`offload-connector check CONFIG`: validate a config and say what it gives per rank for a model.
+
+`check_config(...)` loads the config (`load_config`: every key, type and value), and with a model's
+`config.json` sizes one rank's CPU tier the way the vLLM adapter will (`model_kv.py`, `sizing.py`): bytes,
+usable blocks, tokens, and whether the ranks on this host fit in its MemAvailable, as vLLM's start-up check
+judges it. Returns a plain dict (the `--json` object); raises `ConfigError` / `ModelConfigError` naming the
+key, as the CLI prints in one `error:` line. Imports no vLLM and no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from offload_connector.config import load_config
+from offload_connector.model_kv import from_hf_config, read_hf_config
+from offload_connector.sizing import capacity, check_host_memory, format_bytes, mem_available_bytes
+from offload_connector.vllm.engine_setup import keeps_hybrid_manager
+
+VLLM_DEFAULT_BLOCK_SIZE = 16  # vLLM's CacheConfig.DEFAULT_BLOCK_SIZE (GPU backends may raise it)
+
+
+def check_config(path: str, model_config: str | None = None, tp: int = 1, block_size: int | None = None,
+                 dtype: str | None = None, host_memory: bool = True) -> dict[str, Any]:
+    kv = from_hf_config(read_hf_config(model_config), where=model_config, dtype=dtype) if model_config else None
+    # An unset store_policy resolves as the connector resolves it for this model (eager for a hybrid one).
+    config = load_config(path, num_kv_groups=2 if kv is not None and kv.is_hybrid else 1)
+    out: dict[str, Any] = {
+        "valid": True, "config": path, "store_policy": config.store_policy, "eviction": config.eviction,
+        "transfer_backend": config.transfer.backend, "remote": config.remote is not None,
+        "cpu_bytes": int(config.cpu_bytes), "num_cpu_blocks": config.num_cpu_blocks, "tp": tp,
+    }
+    if kv is None:
+        return out
+    block_size = block_size or VLLM_DEFAULT_BLOCK_SIZE
+    hybrid_manager = keeps_hybrid_manager(config)
+    bytes_per_block = kv.bytes_per_block(block_size, tp, hybrid_manager)
+    cap = capacity(config, bytes_per_block, block_size, tp)
+    out.update(block_size=block_size, model=kv.describe(block_size, tp, hybrid_manager),
+               per_rank={"bytes": cap.bytes_per_rank, "blocks": cap.usable_blocks, "tokens": cap.tokens,
+                         "bytes_per_block": bytes_per_block})
+    if host_memory:
+        available = mem_available_bytes()
+        check_host_memory(config, cap, tp, available)  # one node runs every rank (vLLM's default)
+        out["host"] = {"mem_available": available, "needed": cap.bytes_per_rank * tp}
+    return out
+
+
+def format_check(result: dict[str, Any]) -> str:
+    lines = [f"{result['config']}: valid",
+             f"  policies     store_policy {result['store_policy']}, eviction {result['eviction']}, "
+             f"transfer.backend {result['transfer_backend']}, remote tier {'on' if result['remote'] else 'off'}"]
+    tier = (f"num_cpu_blocks {result['num_cpu_blocks']:,} per rank" if result["num_cpu_blocks"] is not None
+            else f"cpu_bytes {format_bytes(result['cpu_bytes'])} for the whole engine")
+    if "per_rank" not in result:
+        lines.append(f"  CPU tier     {tier}; pass --model-config config.json for blocks and tokens per rank")
+        return "\n".join(lines)
+    rank = result["per_rank"]
+    ranks = f" / TP {result['tp']}" if result["tp"] > 1 else ""
+    lines += [f"  model        {result['model']}",
+              f"  per rank     {format_bytes(rank['bytes'])} = {rank['blocks']:,} blocks of "
+              f"{format_bytes(rank['bytes_per_block'])} = {rank['tokens']:,} tokens ({tier}{ranks})"]
+    host = result.get("host")
+    if host is not None and host["mem_available"] is not None:
+        lines.append(f"  this host    {format_bytes(host['needed'])} for {result['tp']} rank(s), MemAvailable "
+                     f"{format_bytes(host['mem_available'])}")
+    return "\n".join(lines)

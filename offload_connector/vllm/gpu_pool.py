@@ -1,0 +1,120 @@
+"""`GpuPool` over vLLM's GPU `BlockPool`: the narrow view the scheduler side borrows.
+
+The engine owns the pool. Through this view the connector only ever
+- takes one reference on a block (`touch`) while a transfer of it is in flight, and
+- drops exactly the references it took (`free`), optionally putting blocks that reach zero at the *head*
+  of vLLM's free queue (evicted first) instead of vLLM's own place for them, and
+- reads the free queue from its head (the eviction frontier) for lazy stores, and puts blocks it saved
+  back at their place in that order (`move_to_front`).
+
+Invariants kept: a block with a connector reference has ref_cnt > 0, so it is never in vLLM's free queue
+and never handed to another request; the null block (id 0) is never touched or freed here. A failed
+`touch` or `free` (the null block, an id out of range, or more frees than references: our bug) raises
+before changing anything. Every call costs O(blocks named), never O(pool).
+
+Our references are not cache accesses. vLLM's `BlockPool.touch` also reports each block to the pool's
+`KVCacheMetricsCollector` (`on_block_accessed`), which feeds the residency histograms
+(`vllm:kv_block_idle_before_evict_seconds`, `vllm:kv_block_reuse_gap_seconds`). So `touch` here does
+what vLLM's `touch` does minus that report: it takes the block out of the free queue with the queue's
+public `remove` when its count is zero and adds one to `ref_cnt`. `BlockPool` has no public method for
+that; `tests/vllm_adapter/test_vllm_gpu_pool.py` pins the equivalence against the installed vLLM.
+
+Only public vLLM API (the contract, checked by that test; vLLM 0.32): `BlockPool.blocks`, `free_blocks`,
+`get_num_free_blocks`, `free_block_queue` with `remove`, `prepend_n` and `iter_blocks_after`, and a
+block's `block_id`, `ref_cnt`, `block_hash` and `is_null`. No free-list links are read or written here.
+Imports nothing from vLLM at module level.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from operator import attrgetter
+from typing import Any
+
+_ref_cnt = attrgetter("ref_cnt")
+
+
+class GpuPoolError(RuntimeError):
+    """The connector misused vLLM's GPU block pool (a double free or the null block): always our bug."""
+
+
+class VllmGpuPool:
+    """Adapter implementing `scheduler_side.GpuPool` on vLLM's `BlockPool` (bound after construction)."""
+
+    def __init__(self, block_pool: Any | None = None) -> None:
+        self._pool = block_pool
+
+    def bind(self, block_pool: Any) -> None:
+        self._pool = block_pool
+
+    @property
+    def pool(self) -> Any:
+        if self._pool is None:
+            raise GpuPoolError("vLLM's GPU block pool was not bound yet (bind_gpu_block_pool not called)")
+        return self._pool
+
+    def _blocks(self, gpu_block_ids: Sequence[int]) -> list[Any]:
+        """The blocks named, refusing the null block and ids out of range before anything changes."""
+        blocks = self.pool.blocks
+        if gpu_block_ids and (min(gpu_block_ids) <= 0 or max(gpu_block_ids) >= len(blocks)):
+            bad = next(i for i in gpu_block_ids if i <= 0 or i >= len(blocks))
+            raise GpuPoolError(
+                f"GPU block id {bad} is the null block or out of range 1..{len(blocks) - 1} (our bug)"
+            )
+        return list(map(blocks.__getitem__, gpu_block_ids))  # vLLM's null block is block 0, refused above
+
+    def touch(self, gpu_block_ids: Sequence[int]) -> None:
+        """Take one reference on each block: `BlockPool.touch` without its cache-access report."""
+        queue = self.pool.free_block_queue
+        for block in self._blocks(gpu_block_ids):
+            if block.ref_cnt == 0:
+                queue.remove(block)  # a free block is always in the queue (vLLM's invariant)
+            block.ref_cnt += 1
+
+    def free(self, gpu_block_ids: Sequence[int], front: bool = False) -> None:
+        """Drop one reference per id listed. At zero vLLM's `free_blocks` queues a block (hashed: tail,
+        unhashed: head); with `front` the blocks reaching zero then go to the head, first listed first."""
+        blocks = self._blocks(gpu_block_ids)
+        if blocks and min(map(_ref_cnt, blocks)) <= 0 or len(set(gpu_block_ids)) != len(gpu_block_ids):
+            for gpu_block_id, num_frees in Counter(gpu_block_ids).items():  # the slow path names the block
+                ref_cnt = self.pool.blocks[gpu_block_id].ref_cnt
+                if ref_cnt < num_frees:
+                    raise GpuPoolError(
+                        f"{num_frees} free(s) of GPU block {gpu_block_id} with ref_cnt {ref_cnt} (our bug)")
+        self.pool.free_blocks(blocks)
+        if not front:
+            return
+        pool_blocks = self.pool.blocks
+        released = [pool_blocks[i] for i in dict.fromkeys(gpu_block_ids) if pool_blocks[i].ref_cnt == 0]
+        queue = self.pool.free_block_queue
+        for block in released:
+            queue.remove(block)
+        queue.prepend_n(released)  # keeps list order: the first listed block ends up nearest the head
+
+    def eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
+        """(gpu_block_id, cache key or None) of free blocks, walking from the head of vLLM's free queue.
+
+        Callers must stop iterating before changing the pool (the walk follows the live queue).
+        """
+        for block in self.pool.free_block_queue.iter_blocks_after(None):
+            yield block.block_id, block.block_hash
+
+    def move_to_front(self, blocks: Sequence[tuple[int, bytes | None]]) -> None:
+        """Put these free blocks at the head of vLLM's free queue, first listed nearest the head.
+
+        A block that is held now, or whose hash changed since it was listed, stays where it is.
+        """
+        pool_blocks = self.pool.blocks
+        moved: dict[int, Any] = {}  # by id, in list order: a block listed twice moves once
+        for gpu_block_id, key in blocks:
+            block = pool_blocks[gpu_block_id]
+            if block.ref_cnt == 0 and not block.is_null and block.block_hash == key:
+                moved.setdefault(gpu_block_id, block)
+        queue = self.pool.free_block_queue
+        for block in moved.values():
+            queue.remove(block)
+        queue.prepend_n(list(moved.values()))
+
+    def num_free_blocks(self) -> int:
+        return self.pool.get_num_free_blocks()

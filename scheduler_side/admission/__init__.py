@@ -1,0 +1,1 @@
+"""What the CPU tier admits: the admission filter (superseded branches, closed sessions) and request hints."""

@@ -1,0 +1,281 @@
+"""The lazy store policy (exclusive-leaning tier): store only what the GPU is about to evict.
+
+Only free, hashed GPU blocks within `lookahead` blocks of the GPU pool's eviction frontier that are not on
+the CPU yet (and not dead: see admission.py) are stored, so the GPU evicts only saved blocks. Saved GPU
+blocks return to their place in the GPU free queue (LRU order is kept). In a step that ran at most one
+request, the saved blocks within a deferred admission's span have their CPU copies made most recently used
+before the step's stores take CPU blocks (the admission drops them from the GPU next step: in an exclusive
+tier they are newer than anything on the CPU, and a copy the stores evicted would be lost then).
+CPU copies of blocks that were just loaded to the GPU, or that an admitted request hit on the GPU, are
+forgotten (empty room, taken first; the GPU holds them now; the tiers stay mostly exclusive) once the CPU
+tier is under pressure: it has evicted a block, which the CPU pool does only once no empty block is free
+(`BlockPool(empty_first=True)`): the tier filled up. Until then a loaded block's copy is kept as the most
+recently used content: once the GPU evicts that block, this copy is the one the tier has. A quiet
+spell does not end the pressure: a copy kept then sits on both tiers once the tier is busy again, and
+when the GPU evicts that block its copy is where the CPU last saw it, not the newest.
+
+What the next step allocates, and who saves it: an admission's allocation is checked at its lookup against
+the blocks it will really evict (its own free GPU hits skipped); if unsaved ones lie there it is deferred
+while this step's store saves its whole span, goes through blind the very next step, and is checked again
+if the engine reached it later (at most `MAX_DEFERRALS` deferrals in a row). Requests still allocating
+their prompt (chunked prefill, or the rest after a CPU load) have that rest saved ahead. The lookahead
+covers the rest: twice the decaying peak of what nothing above covered, plus a mean of the admissions of
+steps that ran at most one request. There a deferral saves exactly what the admission takes, so one long
+prompt must not make many later steps keep hundreds of blocks on both tiers; with more requests running,
+their allocations move the frontier before a deferred request's turn, so admissions count in the peak.
+
+What it holds on the GPU, and the bound: when the engine's free queue is shorter than what the last store
+meant to save (the lookahead, deferred spans, prompt rests), a finishing request's unsaved blocks are held (one reference each) until the next step's store event takes
+them, at most as many as the CPU tier has free blocks; every hold is released at the next `pick_stores`.
+So the engine's GPU cache can keep, for one step, blocks vLLM alone would have evicted.
+Cost per step: O(lookahead + deferred spans + prompt rests; the rests at most the engine's step bound
+when known); per admission O(blocks allocated + its GPU hit). Follows store_policy's call order.
+"""
+
+from __future__ import annotations
+
+from offload_connector.hashing import with_group_id
+from scheduler_side.policies.store_policy import PolicyView, StorePicks, StorePolicy
+from scheduler_side.request_state import LoadJob, RequestState
+
+MAX_DEFERRALS = 4  # lookups a request may be deferred so that its allocation evicts only saved blocks
+LOOKAHEAD_FACTOR = 2.0  # lookahead / (recent peak of uncovered allocations + mean largest admission)
+ADMIT_WEIGHT = 0.1  # weight of this step's largest admission in their mean
+
+
+class LazyStorePolicy(StorePolicy):
+    gpu_copy_worthless_after_store = True
+
+    def __init__(self, view: PolicyView) -> None:
+        super().__init__(view)
+        self._step_alloc = 0  # blocks the engine handed to requests this step
+        self._peak_alloc = 0.0  # decaying peak of per-step allocations
+        self._admit_mean = 0.0  # mean largest admission of steps that ran at most one request (EMA)
+        self._scanned: list[tuple[int, bytes | None]] = []  # the frontier this step's selection scanned
+        self._frontier_of: dict[int, list[tuple[int, bytes | None]]] = {}  # store event -> its frontier
+        self._held: dict[bytes, int] = {}  # key -> GPU block held for the next store event
+        self._last_event_id: int | None = None  # our most recent store event
+        self._steps = 0  # pick_stores calls (engine steps)
+        # The CPU tier has evicted a block (seen at a step's tick), so it filled up (the CPU pool evicts only once
+        # no empty block is free): from then on space spent on copies of blocks
+        # the GPU holds costs hits; until it fills such copies are kept (a free second chance). A window of 64
+        # steps after each eviction lost 0.2 points one request at a time on the agentic trace: its quiet
+        # spells (a session's turns all GPU hits) kept copies that then cost room.
+        self._cpu_under_pressure = False
+        self._deficit = 0  # blocks that admissions deferred this step need saved by its store event
+        self._p_inflight = 0.0  # how often a store event outlasted the next step's allocations (EMA)
+        self._admit_alloc = 0  # blocks this step's largest admission took
+        self._num_scheduled = 0  # requests scheduled this step
+        self._pending = 0  # prompt blocks the requests scheduled this step have still to allocate
+        self._covered = 0  # `_pending` at the last pick: what this step's running allocations may take
+        self._deferred: dict[str, tuple[int, int]] = {}  # request id -> (step clock, deferrals in a row)
+        self._demand = 0  # blocks the last store event meant to save: what the next step may allocate
+
+    @property
+    def lookahead(self) -> int:
+        """Blocks from the eviction frontier to keep saved: `lazy_lookahead_blocks` if set, else the larger
+        of the engine's per-step bound and twice the recent peak of uncovered allocations plus the mean
+        admission of lone steps (CPU hits allocate outside the token budget, so the bound alone can fall
+        short)."""
+        fixed = self.view.lazy_lookahead_blocks
+        if fixed is not None:
+            return fixed
+        return max(16, self.view.max_blocks_per_step or 0,
+                   int(LOOKAHEAD_FACTOR * (self._peak_alloc + self._admit_mean)))
+
+    def on_allocated(self, state: RequestState, num_gpu_hit_blocks: int) -> list[bytes]:
+        """The request now holds its GPU-hit blocks: under CPU pressure their CPU copies give way. (Not at
+        lookup: a request that then fails to allocate leaves those blocks free, maybe at the frontier.)"""
+        self._admit_alloc = max(self._admit_alloc, len(state.gpu_block_ids) - num_gpu_hit_blocks)
+        if state.pending_hit is not None:  # a CPU hit, loaded first: its prompt's rest is allocated after
+            self._pending += max(0, -(-state.request.num_tokens // self.view.block_size) - len(state.gpu_block_ids))
+        if not num_gpu_hit_blocks or not self._cpu_under_pressure:
+            return []
+        hashes, group = state.request.block_hashes, self.view.group_id
+        return [with_group_id(hashes[i], group) for i in range(min(num_gpu_hit_blocks, len(hashes)))]
+
+    def on_load_complete(self, job: LoadJob) -> bool:
+        """The loaded blocks are resident on the GPU now: under CPU pressure their CPU copies give way."""
+        return self._cpu_under_pressure
+
+    def lends_load_slots(self) -> bool:
+        """Under CPU pressure a loaded block's copy gives way anyway (`on_load_complete`): its slot may take a
+        store of the same step, which then evicts nothing. Otherwise the store would evict an older block
+        while the slot sits read and empty: for the load's length both tiers hold the loaded blocks."""
+        return self._cpu_under_pressure
+
+    def on_blocks_allocated(self, num_blocks: int) -> None:
+        self._step_alloc += num_blocks
+
+    def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None:
+        """A request still allocating its prompt (chunked prefill) takes the rest in the next steps: the
+        next store event saves that much more of the frontier, and those allocations stay out of the peak.
+        Lazy stores nothing through the store cursor, so it keeps there the request's block count at the
+        last check: a step that gave the request no new block (most decode steps) costs one comparison."""
+        self._num_scheduled += 1
+        num_blocks = len(state.gpu_block_ids)
+        if num_blocks == state.num_store_checked_blocks:
+            return
+        state.num_store_checked_blocks = num_blocks
+        rest = -(-state.request.num_tokens // self.view.block_size) - num_blocks
+        if rest > 0:
+            self._pending += rest
+
+    def may_admit(self, state: RequestState, num_cpu_hit_blocks: int) -> bool:
+        """Defer a request whose allocation would reach past the saved part of the GPU frontier.
+
+        The lookahead covers a typical step; one admission can take more (a long prompt, a large CPU hit,
+        which allocates outside the token budget). Its allocation happens right after this lookup, so the
+        free queue is exactly what it will draw from, less its own free GPU hits (taken out, not evicted):
+        if unsaved cached blocks lie within the blocks it evicts and the CPU tier has room for them, answer
+        "next step" and add its span to this step's stores (the policy's own `_deficit`). The next step it
+        goes through unchecked (that store saved its span); looked up later, other allocations have moved
+        the frontier, so it is checked again, up to `MAX_DEFERRALS` deferrals in a row.
+        Cost O(blocks it allocates + its GPU hit).
+        """
+        deferred_at, in_a_row = self._deferred.pop(state.request_id, (None, 0))
+        if deferred_at == self._steps - 1 or in_a_row >= MAX_DEFERRALS:
+            return True  # the last step's store saved its span (or it waited long enough)
+        if deferred_at == self._steps:  # asked again within the step: this step's store still saves its span
+            self._deferred[state.request_id] = (deferred_at, in_a_row + 1)
+            return False
+        view = self.view
+        rest = -(-state.request.num_tokens // view.block_size) - state.num_gpu_hit_blocks - num_cpu_hit_blocks
+        bound = view.max_blocks_per_step
+        need = num_cpu_hit_blocks + (rest if bound is None else min(rest, bound))
+        if need <= 0:
+            return True
+        is_saved, is_dead, unsaved, taken = view.is_saved, view.is_dead, 0, 0
+        own = self._gpu_hit_keys(state)
+        span = 0  # frontier blocks the allocation reaches (its own free GPU hits included)
+        for _, key in view.gpu_eviction_candidates():
+            if taken >= need:
+                break
+            span += 1
+            if key in own:
+                continue  # its own GPU hit: the allocation takes it out of the queue, evicting nothing
+            taken += 1
+            if key is not None and not is_saved(key) and not is_dead(key):
+                unsaved += 1
+        # Worth a step only if the CPU tier can take them (a tiny tier would defer in vain).
+        if unsaved == 0 or unsaved > view.cpu_num_free_blocks():
+            return True
+        self._deficit += span
+        self._deferred[state.request_id] = (self._steps, in_a_row + 1)
+        return False
+
+    def _gpu_hit_keys(self, state: RequestState) -> frozenset[bytes | None]:
+        """Keys of the request's GPU-hit blocks. Some may be free, near the frontier: its allocation takes
+        them out of the free queue without evicting them, so the blocks it evicts lie that much further on."""
+        if not state.num_gpu_hit_blocks:
+            return frozenset()
+        hashes, group = state.request.block_hashes, self.view.group_id
+        return frozenset(with_group_id(hashes[i], group) for i in range(min(state.num_gpu_hit_blocks, len(hashes))))
+
+    def _tick(self) -> None:
+        """One engine step: CPU pressure, the decaying peak of allocations nothing covered (not the prompt
+        chunks the last store saved ahead, nor the admission of a step that ran at most one request: that
+        goes into a mean), how long store events last."""
+        self._steps += 1
+        if not self._cpu_under_pressure:
+            self._cpu_under_pressure = self.view.cpu_num_evictions() > 0
+        alone = self._admit_alloc if self._num_scheduled <= 1 else 0
+        self._num_scheduled = 0
+        uncovered = max(0, self._step_alloc - alone - self._covered)
+        self._peak_alloc = max(float(uncovered), 0.9 * self._peak_alloc)
+        self._admit_mean = (1.0 - ADMIT_WEIGHT) * self._admit_mean + ADMIT_WEIGHT * alone
+        self._step_alloc = self._admit_alloc = 0
+        bound = self.view.max_blocks_per_step
+        self._covered = self._pending if bound is None else min(self._pending, bound)
+        self._pending = 0
+        event = self._last_event_id
+        if event is not None:
+            outstanding = self.view.is_store_outstanding(event)
+            self._p_inflight = 0.8 * self._p_inflight + (0.2 if outstanding else 0.0)
+
+    def pick_stores(self) -> StorePicks:
+        """Held blocks first, then unsaved free blocks from the eviction frontier, up to the lookahead (plus
+        what deferred admissions need) and the CPU tier's free room."""
+        lone = self._num_scheduled <= 1  # (before the tick resets it)
+        self._tick()
+        view = self.view
+        held, self._held = self._held, {}
+        picks = StorePicks(release_gpu_ids=list(held.values()))  # every hold ends with this event
+        is_saved, is_dead = view.is_saved, view.is_dead
+        for key, gpu_id in held.items():
+            if not is_saved(key) and not is_dead(key):  # it may have reached the CPU since (a remote fetch)
+                picks.gpu_ids.append(gpu_id)
+                picks.keys.append(key)
+        picked = set(picks.keys)
+        scanned: list[tuple[int, bytes | None]] = []
+        # A picked block leaves the free queue while its store is in flight. If that outlasts the next
+        # step's allocations, those allocations reach past it, so a pick must not count against the
+        # lookahead; if the store lands first, the block is back (saved) and it should. Weigh each pick by
+        # how often the last event was still in flight at the next step's metadata (`_p_inflight`).
+        pick_cost = 1.0 - self._p_inflight
+        budget = float(self.lookahead + self._deficit + self._covered)
+        self._demand = int(budget)
+        # Deferred admissions' spans (the head of the frontier): where at most one request ran, what they
+        # allocate next step is exactly that; with more running, other allocations come first.
+        span, self._deficit = (self._deficit if lone else 0), 0
+        room = view.cpu_num_free_blocks() - len(picks.gpu_ids)
+        for gpu_id, key in view.gpu_eviction_candidates():
+            if budget <= 0:
+                break
+            scanned.append((gpu_id, key))
+            if room > 0 and key is not None and key not in picked and not is_saved(key) and not is_dead(key):
+                picked.add(key)
+                picks.gpu_ids.append(gpu_id)
+                picks.keys.append(key)
+                room -= 1
+                budget -= pick_cost
+            else:
+                if len(scanned) <= span and key is not None and is_saved(key) and not is_dead(key):
+                    picks.refresh_keys.append(key)  # the deferred admission evicts it next: keep its copy
+                budget -= 1
+        self._scanned = scanned
+        return picks
+
+    def on_stores_emitted(self, event_id: int | None, stored_gpu_ids: list[int]) -> None:
+        """Remember the frontier up to the last scanned block the event stores (a full CPU pool may have
+        cut the list): its order is restored when the store completes."""
+        frontier, self._scanned = self._scanned, []
+        self._last_event_id = event_id
+        if event_id is None:
+            return
+        stored = set(stored_gpu_ids)
+        end = next((i for i in range(len(frontier) - 1, -1, -1) if frontier[i][0] in stored), -1)
+        if end >= 0:
+            self._frontier_of[event_id] = frontier[:end + 1]
+
+    def on_store_complete(self, event_id: int) -> list[tuple[int, bytes | None]]:
+        """Saved blocks went back to the head; restore the frontier's LRU order around them."""
+        return self._frontier_of.pop(event_id, None) or []
+
+    def on_request_finished(self, state: RequestState) -> list[int]:
+        """Blocks freed now are scanned only at the next step's metadata, after that step's allocations.
+        When the free queue is shorter than the lookahead, those allocations could evict them unsaved: hold
+        them until the next store event takes them, as many as the CPU tier has room for (holding what
+        cannot be stored would only shrink the GPU's free queue)."""
+        self._deferred.pop(state.request_id, None)
+        view = self.view
+        room = view.cpu_num_free_blocks() - len(self._held)
+        if view.gpu_num_free_blocks() >= max(self.lookahead, self._demand) or room <= 0:
+            return []
+        hashes, group = state.request.block_hashes, view.group_id
+        n = min(state.num_computed_tokens // view.block_size, len(hashes), len(state.gpu_block_ids))
+        ids = []
+        for i in range(n):
+            if len(ids) >= room:
+                break
+            key = with_group_id(hashes[i], group)
+            gpu_id = state.gpu_block_ids[i]
+            if gpu_id == 0 or key in self._held or view.is_saved(key) or view.is_dead(key):
+                continue
+            self._held[key] = gpu_id
+            ids.append(gpu_id)
+        return ids
+
+    @property
+    def num_held_blocks(self) -> int:
+        return len(self._held)

@@ -1,0 +1,49 @@
+"""`SchedulerView`: the read-only window a store policy has on the scheduler (store_policy.PolicyView).
+
+It reads the CPU pool (cached and reserved keys, free blocks, evictions), the engine's GPU pool (free
+blocks, eviction frontier), the outstanding store events and the admission filter (`is_dead`); it changes nothing and holds no state of
+its own. The scheduler builds one and hands it to its policy, which never sees the scheduler itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from scheduler_side.admission.filter import AdmissionFilter
+from scheduler_side.interfaces import GpuPool
+from scheduler_side.pool.block_pool import BlockPool
+
+
+class SchedulerView:
+    def __init__(self, cpu_pool: BlockPool, gpu_pool: GpuPool, store_events: Mapping[int, object], block_size: int,
+                 group_id: int, max_blocks_per_step: int | None, lazy_lookahead_blocks: int | None,
+                 admission: AdmissionFilter) -> None:
+        self._cpu, self._gpu, self._store_events = cpu_pool, gpu_pool, store_events
+        self.is_dead, self._admission = admission.is_dead, admission
+        self._cached, self._reserved = cpu_pool.cached, cpu_pool.reserved
+        self.block_size, self.group_id = block_size, group_id
+        self.max_blocks_per_step, self.lazy_lookahead_blocks = max_blocks_per_step, lazy_lookahead_blocks
+
+    def is_saved(self, key: bytes) -> bool:
+        return key in self._cached or key in self._reserved
+
+    def may_have_dead(self) -> bool:
+        return self._admission.active
+
+    def saved_key_maps(self) -> tuple[Mapping[bytes, object], Mapping[bytes, object]]:
+        return self._cached, self._reserved
+
+    def is_store_outstanding(self, event_id: int) -> bool:
+        return event_id in self._store_events
+
+    def cpu_num_free_blocks(self) -> int:
+        return self._cpu.num_free_blocks
+
+    def cpu_num_evictions(self) -> int:
+        return self._cpu.num_evictions
+
+    def gpu_num_free_blocks(self) -> int:
+        return self._gpu.num_free_blocks()
+
+    def gpu_eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
+        return self._gpu.eviction_candidates()

@@ -1,0 +1,1 @@
+"""Tiers below the CPU tier, as the scheduler sees them."""

@@ -1,0 +1,290 @@
+"""The scheduler's view of the remote tier: which requests wait on it, and the fetches it brings in.
+
+Flow for one request (at most once per request; `RequestState.remote` holds its `RemoteWait`):
+1. its CPU lookup misses at block i (not being stored): `start` asks the lookup thread which of blocks
+   i.. exist on the server (every rank's key) and the lookup answers None (ask again next step). Refused,
+   so the request goes on without the tier, when `max_waiting_requests` requests already wait or the breaker
+   is open.
+2. later lookups call `waiting`: while no answer, wait (until `timeout_ms` since step 1: then no remote
+   hit). An answer of n > 0 blocks allocates CPU blocks (evicting LRU ones), reserves them under the
+   blocks' keys (as a store does: not hit-able yet) and adds them to this step's fetch event; the request
+   waits for that fetch (same deadline).
+3. every rank reports the fetch event (`on_report`): blocks no rank failed are committed (hit-able, MRU),
+   failed ones aborted (LRU head). The request's next lookup then hits them on the CPU like any block and
+   the normal CPU -> GPU load follows.
+A finished request stops waiting (`forget`); its fetch, if any, still completes and caches its blocks.
+Holds: one reference on each CPU block of an outstanding fetch event, released at its completion.
+Per step O(1) per waiting request plus O(blocks) when a fetch is issued or completes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from offload_connector.hashing import with_group_id
+from offload_connector.metadata import TransferMetadata, WorkerReport
+from offload_connector.remote.breaker import RemoteCounters
+from offload_connector.remote.config import RemoteConfig
+from offload_connector.remote.format import RemoteIdentity
+from scheduler_side.errors import SchedulerError
+from scheduler_side.pool.block_pool import BlockPool
+from scheduler_side.pool.free_queue import Block
+from scheduler_side.request_state import RemoteWait, RequestState
+from scheduler_side.tiers.remote.lookups import RemoteLookups
+
+logger = logging.getLogger("scheduler_side.scheduler")
+REMOTE_COUNTERS = tuple(RemoteCounters.__dataclass_fields__) + ("breaker_trips",)
+
+
+@dataclass(slots=True)
+class FetchEvent:
+    """One step's fetches. Holds one reference on each CPU block; their keys are reservations until done."""
+
+    event_id: int
+    cpu_blocks: list[Block] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+    reported_ranks: set[int] = field(default_factory=set)
+    failed_cpu_ids: set[int] = field(default_factory=set)  # failed on any rank
+    failed: bool = False  # every block fails (reset_cache)
+
+
+class RemoteTier:
+    def __init__(self, remote: RemoteConfig, lookups: RemoteLookups, cpu_pool: BlockPool,
+                 allocate_cpu: Callable[[int], list[Block]], world_size: int, group_id: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.remote, self.lookups, self.cpu_pool = remote, lookups, cpu_pool
+        self.counters: RemoteCounters = lookups.client.counters
+        self._allocate_cpu, self.world_size, self.group_id = allocate_cpu, world_size, group_id
+        self.clock = clock  # time.monotonic; tests pass their own
+        self._waiting: set[str] = set()  # requests with a RemoteWait not done
+        self._events: dict[int, FetchEvent] = {}  # issued, not complete
+        self._to_send: FetchEvent | None = None  # this step's fetches, sent by the next metadata
+        self._next_event = 0
+        self._evicted: list[Block] = []  # on_cpu_evict: blocks evicted since the last metadata (hash set)
+        self._evicted_keys: list[bytes] = []
+        self.enabled = True  # False after reset_cache: the weights may have changed, the server's KV not
+        self.worker_counters: dict[str, int] = {}  # the workers' remote counters, summed over ranks
+        # Keys some ranks have reported on the server (insertion-ordered, oldest dropped past the bound: a
+        # rank's write may be dropped, and its key must not wait here forever); keys every rank reported.
+        self._on_server_ranks: dict[bytes, set[int]] = {}
+        self._max_on_server_pending = 4 * cpu_pool.num_blocks
+        self._on_server: list[bytes] = []
+
+    def values(self) -> tuple[int, ...]:
+        """Both sides' counters summed, in `REMOTE_COUNTERS` order (for stats)."""
+        mine, theirs = self.counters.snapshot(), self.worker_counters
+        return tuple(mine.get(k, 0) + theirs.get(k, 0) for k in REMOTE_COUNTERS)
+
+    # ---- lookups -------------------------------------------------------------------------------------
+    def start(self, state: RequestState, hashes: Sequence[bytes], first: int, last: int) -> bool:
+        """The request missed on the CPU at block `first`: ask the server about blocks first..last-1.
+        True: the request waits (its lookup answers None)."""
+        if state.remote is not None or first >= last or not self.enabled:
+            return False
+        if len(self._waiting) >= self.remote.max_waiting_requests or self.lookups.client.breaker.state == "open":
+            self.counters.lookups_skipped += 1
+            return False
+        n = min(last - first, self.remote.max_lookup_blocks)
+        ticket = self.lookups.submit(hashes[first:first + n], self.group_id)
+        state.remote = RemoteWait(first, self.clock() + self.remote.timeout_ms / 1000, ticket)
+        self._waiting.add(state.request_id)
+        return True
+
+    def waiting(self, state: RequestState) -> bool:
+        """Is the request still waiting on the tier? Issues its fetch when the lookup's answer is there."""
+        wait = state.remote
+        if wait is None or wait.done:
+            return False
+        if wait.ticket is not None:
+            found = self.lookups.take(wait.ticket)
+            if found is None:
+                return self._still_waiting(state, wait)
+            wait.ticket = None
+            if found == 0 or not self._issue_fetch(state, wait, found):
+                return self._stop(state, wait)
+            return True
+        if wait.fetch_event in self._events or (self._to_send is not None
+                                                and wait.fetch_event == self._to_send.event_id):
+            return self._still_waiting(state, wait)
+        return self._stop(state, wait)
+
+    def _still_waiting(self, state: RequestState, wait: RemoteWait) -> bool:
+        if self.clock() < wait.deadline:
+            return True
+        self.counters.lookup_timeouts += 1
+        if wait.ticket is not None:
+            self.lookups.cancel(wait.ticket)
+            wait.ticket = None
+        return self._stop(state, wait)
+
+    def _stop(self, state: RequestState, wait: RemoteWait) -> bool:
+        wait.done = True
+        self._waiting.discard(state.request_id)
+        return False
+
+    def _issue_fetch(self, state: RequestState, wait: RemoteWait, found: int) -> bool:
+        """Reserve CPU blocks for the first `found` blocks from `wait.first_block` (stopping at one the CPU
+        has or is receiving) and add them to this step's fetch event. False: nothing to fetch."""
+        hashes, pool, group = state.request.block_hashes, self.cpu_pool, self.group_id
+        keys = []
+        for h in hashes[wait.first_block:wait.first_block + found]:
+            key = with_group_id(h, group)
+            if key in pool.cached or key in pool.reserved:
+                break
+            keys.append(key)
+        # the request's own CPU hits before the run stay pinned while the run's blocks are allocated
+        own = [b for b in (pool.cached.get(with_group_id(h, group)) for h in hashes[:wait.first_block]) if b]
+        pool.touch(own)
+        blocks = self._allocate_cpu(len(keys)) if keys else []
+        pool.free(own)
+        if not blocks:
+            return False
+        keys = keys[:len(blocks)]
+        pool.reserve(blocks, keys)
+        event = self._to_send
+        if event is None:
+            event = self._to_send = FetchEvent(self._next_event)
+            self._next_event += 1
+        event.cpu_blocks.extend(blocks)
+        event.keys.extend(keys)
+        wait.fetch_event = event.event_id
+        return True
+
+    def forget(self, state: RequestState) -> None:
+        """The request finished: it waits no more (an answer still coming is dropped)."""
+        wait = state.remote
+        if wait is not None and not wait.done:
+            if wait.ticket is not None:
+                self.lookups.cancel(wait.ticket)
+            self._stop(state, wait)
+
+    # ---- fetch events --------------------------------------------------------------------------------
+    def on_cpu_evict(self, block: Block) -> None:
+        """`write: on_cpu_evict`: the CPU pool evicts `block` (its content still there until this step's
+        copies start): have the workers write it first."""
+        if self.enabled:
+            self._evicted.append(block)
+            self._evicted_keys.append(block.block_hash)
+
+    def fill_meta(self, meta: TransferMetadata) -> None:
+        """This step's fetch event and evicted blocks to write; call after every allocation of the step."""
+        if self._evicted:
+            meta.write_cpu_blocks = [b.block_id for b in self._evicted]
+            meta.write_keys = self._evicted_keys
+            self._evicted, self._evicted_keys = [], []
+        event = self._to_send
+        if event is None:
+            return
+        self._to_send = None
+        self._events[event.event_id] = event
+        meta.fetch_event = event.event_id
+        meta.fetch_cpu_blocks = [b.block_id for b in event.cpu_blocks]
+        meta.fetch_keys = list(event.keys)
+
+    def on_report(self, report: WorkerReport) -> list[bytes]:
+        """Apply one rank's fetch completions and counters; returns the keys that became hit-able on the CPU tier."""
+        for name, delta in report.remote_counters.items():
+            self.worker_counters[name] = self.worker_counters.get(name, 0) + delta
+        if report.remote_written_keys:
+            self._note_on_server(report.remote_written_keys, report.rank)
+        committed: list[bytes] = []
+        failed = set(report.failed_fetch_cpu_blocks)
+        for event_id in report.completed_fetch_events:
+            event = self._events.get(event_id)
+            if event is None:
+                if not 0 <= event_id < self._next_event:
+                    raise SchedulerError(f"completion for fetch event {event_id}, which was never issued")
+                logger.warning("ignoring a late completion of fetch event %d", event_id)
+                continue
+            if report.rank in event.reported_ranks:
+                logger.warning("ignoring a repeated completion of fetch event %d from rank %d", event_id, report.rank)
+                continue
+            event.reported_ranks.add(report.rank)
+            event.failed_cpu_ids.update(b.block_id for b in event.cpu_blocks if b.block_id in failed)
+            if len(event.reported_ranks) == self.world_size:
+                committed += self._complete(event)
+        return committed
+
+    def _note_on_server(self, keys: Sequence[bytes], rank: int) -> None:
+        """These blocks' copies from `rank` are on the server: a block is there once every rank's is."""
+        if self.world_size == 1:
+            self._on_server.extend(keys)
+            return
+        pending = self._on_server_ranks
+        for key in keys:
+            ranks = pending.get(key)
+            if ranks is None:
+                ranks = pending[key] = set()
+                if len(pending) > self._max_on_server_pending:
+                    del pending[next(iter(pending))]
+            ranks.add(rank)
+            if len(ranks) == self.world_size:
+                del pending[key]
+                self._on_server.append(key)
+
+    def take_on_server(self) -> list[bytes]:
+        """Cache keys whose every rank's copy reached the server since the last call (KV events, medium
+        REMOTE). The server evicts without telling anyone, so no removal ever follows."""
+        keys, self._on_server = self._on_server, []
+        return keys
+
+    def _complete(self, event: FetchEvent) -> list[bytes]:
+        del self._events[event.event_id]
+        pool = self.cpu_pool
+        bad = [b for b in event.cpu_blocks if event.failed or b.block_id in event.failed_cpu_ids]
+        good = [b for b in event.cpu_blocks if not (event.failed or b.block_id in event.failed_cpu_ids)]
+        pool.abort(bad)
+        pool.free(bad, front=True)
+        keys = pool.commit(good)
+        pool.free(good)
+        return keys
+
+    def fail_in_flight(self) -> None:
+        """reset_cache: nothing fetched before now becomes hit-able, and the tier is off from now on for
+        this instance (neither asked nor written): vLLM resets the cache when the weights change, and the
+        server keeps KV of the old ones under the same keys. Other instances are not affected."""
+        if self.enabled:
+            logger.warning("remote tier turned off for this instance after a cache reset (weights may have "
+                           "changed); change remote.namespace on every instance to share again")
+        self.enabled = False
+        for event in self._events.values():
+            event.failed = True
+        if self._to_send is not None:
+            self._to_send.failed = True
+
+    # ---- introspection -------------------------------------------------------------------------------
+    def held_block_ids(self) -> set[int]:
+        events = list(self._events.values()) + ([self._to_send] if self._to_send is not None else [])
+        return {b.block_id for e in events for b in e.cpu_blocks}
+
+    @property
+    def num_events(self) -> int:
+        return len(self._events) + (self._to_send is not None)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def close(self) -> None:
+        self.lookups.close()
+
+
+def make_remote_tier(remote: RemoteConfig | None, identity: RemoteIdentity | None, cpu_pool: BlockPool,
+                     allocate_cpu: Callable[[int], list[Block]], world_size: int, group_id: int) -> RemoteTier | None:
+    """The tier with its lookup thread and client (connects on first use, never here); None without the
+    `remote:` section. With `write: on_cpu_evict`, it hears of the CPU pool's evictions."""
+    if remote is None:
+        return None
+    if identity is None:
+        raise ValueError("the remote tier (config `remote:`) needs the adapter to pass remote_identity; this "
+                         "adapter does not support it yet: remove the `remote:` section")
+    from offload_connector.remote.client import RemoteClient
+
+    lookups = RemoteLookups(RemoteClient(remote), identity.key_prefix(remote.namespace), world_size)
+    tier = RemoteTier(remote, lookups, cpu_pool, allocate_cpu, world_size, group_id)
+    if remote.write == "on_cpu_evict":
+        cpu_pool.on_evict_block = tier.on_cpu_evict
+    return tier

@@ -1,0 +1,269 @@
+"""The CPU tier's ARC replacement (`eviction: arc`): scan resistance, ghost adaptation, pool invariants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from helpers import FakeRequest, admit, make_scheduler
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from offload_connector.hashing import with_group_id
+from offload_connector.metadata import WorkerReport
+from scheduler_side import BlockPool, StepRequest
+from scheduler_side.pool.arc_queue import EMPTY, HELD, T1, T2
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little")
+
+
+def store(pool: BlockPool, k: int) -> None:
+    """What a store does: allocate a block, cache the key while held, release it."""
+    (block,) = pool.allocate(1)
+    pool.cache(block, key(k))
+    pool.free([block])
+
+
+def test_reused_blocks_survive_a_burst_of_blocks_used_once() -> None:
+    pool = BlockPool(9, eviction="arc")  # 8 usable blocks
+    for k in range(4):
+        store(pool, k)
+        pool.note_reuse(key(k))  # a GPU or CPU hit: these move to t2
+    for k in range(100, 140):  # a long scan of blocks nobody reuses
+        store(pool, k)
+    assert all(pool.lookup(key(k)) is not None for k in range(4))
+    lru = BlockPool(9)
+    for k in [*range(4), *range(100, 140)]:
+        store(lru, k)
+    assert all(lru.lookup(key(k)) is None for k in range(4))  # plain LRU lost them
+
+
+def test_ghost_hits_move_the_target_both_ways() -> None:
+    pool = BlockPool(5, eviction="arc")  # 4 usable blocks
+    q = pool.free_queue
+    for k in range(2):
+        store(pool, k)
+        pool.note_reuse(key(k))
+    for k in range(10, 16):
+        store(pool, k)  # t1 overflows: its oldest keys become ghosts in b1
+    assert q.p == 0 and key(10) in q.b1 and pool.lookup(key(10)) is None
+    pool.note_miss(key(10))  # a request wanted a seen-once block we dropped: give t1 more room
+    assert q.p >= 1 and key(10) not in q.b1 and key(10) in q.recent
+    store(pool, 10)  # stored again, now as reused
+    assert pool.lookup(key(10)).seg in (T2, HELD)
+    before = q.p
+    for k in range(20, 40):
+        store(pool, k)
+        pool.note_reuse(key(k))  # reused blocks crowd out t2's old ones into b2
+    ghost = next(iter(q.b2))
+    pool.note_miss(ghost)
+    assert q.p < before or q.p == 0
+
+
+def test_only_the_first_miss_of_a_lookup_adapts() -> None:
+    pool = BlockPool(3, eviction="arc")
+    q = pool.free_queue
+    for k in range(5):
+        store(pool, k)
+    assert list(q.b1) == [key(1), key(2)]  # at most `capacity` ghosts: key 0 is forgotten
+    pool.note_miss(key(1), adapt=False)
+    assert q.p == 0 and key(1) in q.recent and key(1) not in q.b1
+    pool.note_miss(key(0))  # no ghost: nothing to learn
+    assert q.p == 0 and key(0) not in q.recent
+
+
+def test_uncached_blocks_are_taken_before_cached_ones() -> None:
+    pool = BlockPool(4, eviction="arc")
+    store(pool, 1)
+    store(pool, 2)
+    (block,) = pool.allocate(1)
+    pool.free([block])  # never cached: an empty block
+    assert block.seg == EMPTY
+    (again,) = pool.allocate(1)
+    assert again is block and pool.lookup(key(1)) is not None and pool.lookup(key(2)) is not None
+
+
+def test_discard_and_uncache_move_a_free_block_to_the_empty_list() -> None:
+    pool = BlockPool(4, eviction="arc")
+    store(pool, 1)
+    block = pool.lookup(key(1))
+    assert block.seg == T1
+    pool.note_reuse(key(1))
+    assert block.seg == T2
+    assert pool.discard(block) and block.seg == EMPTY and block.block_hash is None and not block.reused
+    pool.check_integrity()
+
+
+def test_unknown_eviction_is_refused() -> None:
+    with pytest.raises(ValueError, match="allowed: lru, arc"):
+        BlockPool(4, eviction="fifo")
+
+
+class ArcPoolMachine(RuleBasedStateMachine):
+    """Random pool traffic under ARC: ref counts, the three lists and the cache map stay consistent, and
+    what is evicted is always a free block (never held, never the null block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.evicted: list[bytes] = []
+        self.pool = BlockPool(7, eviction="arc", history=8,
+                              on_evict=lambda k, by_alloc: by_alloc and self.evicted.append(k))
+        self.held: list = []  # one entry per reference we hold
+        self.next_key = 0
+
+    @rule(n=st.integers(1, 4))
+    def allocate(self, n: int) -> None:
+        free_before, num_evicted = self.pool.num_free_blocks, len(self.evicted)
+        out = self.pool.allocate(n)
+        q = self.pool.free_queue
+        assert all(k in q.b1 or k in q.b2 for k in self.evicted[num_evicted:])  # evicted keys become ghosts
+        if n > free_before:
+            assert out is None and self.pool.num_free_blocks == free_before
+            return
+        assert out is not None and all(b.ref_cnt == 1 and b.block_hash is None and b.seg == HELD for b in out)
+        self.held.extend(out)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), front=st.booleans())
+    def free(self, data: st.DataObject, front: bool) -> None:
+        block = self.held.pop(data.draw(st.integers(0, len(self.held) - 1)))
+        self.pool.free([block], front=front)
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data(), reuse=st.integers(0, 30))
+    def cache(self, data: st.DataObject, reuse: int) -> None:
+        block = data.draw(st.sampled_from(self.held))
+        if block.block_hash is None:
+            k = key(reuse if reuse < 10 else 1000 + self.next_key)
+            self.next_key += 1
+            self.pool.cache(block, k)
+
+    @rule(k=st.integers(0, 40))
+    def note_reuse(self, k: int) -> None:
+        self.pool.note_reuse(key(k if k < 10 else 1000 + k))
+
+    @rule(k=st.integers(0, 1100), adapt=st.booleans())
+    def note_miss(self, k: int, adapt: bool) -> None:
+        self.pool.note_miss(key(k), adapt)
+
+    @precondition(lambda self: self.pool.cached)
+    @rule(data=st.data())
+    def touch_cached(self, data: st.DataObject) -> None:
+        block = self.pool.cached[data.draw(st.sampled_from(sorted(self.pool.cached)))]
+        self.pool.touch([block])
+        self.held.append(block)
+
+    @precondition(lambda self: self.pool.cached)
+    @rule(data=st.data(), discard=st.booleans())
+    def forget(self, data: st.DataObject, discard: bool) -> None:
+        block = self.pool.cached[data.draw(st.sampled_from(sorted(self.pool.cached)))]
+        if discard:
+            self.pool.discard(block)
+        else:
+            self.pool.uncache(block)
+
+    @invariant()
+    def consistent(self) -> None:
+        pool, q = self.pool, self.pool.free_queue
+        pool.check_integrity()
+        assert pool.num_free_blocks + len({id(b) for b in self.held}) == pool.num_blocks - 1
+        held_refs = {}
+        for b in self.held:
+            held_refs[b.block_id] = held_refs.get(b.block_id, 0) + 1
+        for b in pool.blocks[1:]:
+            assert b.ref_cnt == held_refs.get(b.block_id, 0)
+            if b.ref_cnt:
+                assert b.seg == HELD
+            elif b.block_hash is None:
+                assert b.seg == EMPTY
+            else:
+                assert b.seg == (T2 if b.reused else T1)
+        assert q.empty.num_free_blocks + q.t1.num_free_blocks + q.t2.num_free_blocks == pool.num_free_blocks
+        assert 0 <= q.p <= q.capacity and len(q.b1) <= q.capacity and len(q.b2) <= q.capacity
+        assert len(q.recent) <= q.history
+        assert not (set(q.b1) | set(q.b2)) & set(pool.cached)  # a key is on the CPU or a ghost, not both
+
+
+TestArcPool = ArcPoolMachine.TestCase
+TestArcPool.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_scheduler_feeds_arc_with_hits_and_misses() -> None:
+    """Under `eviction: arc` a CPU hit files the block as reused, and a lookup that misses a key the CPU
+    evicted lately (a ghost) adapts the target, through the scheduler's own lookup and allocation."""
+    bs = 4
+    sched, gpu = make_scheduler(num_gpu_blocks=64, num_cpu_blocks=6, block_size=bs, eviction="arc")
+    pool, q = sched.cpu_pool, sched.cpu_pool.free_queue
+
+    def complete_stores() -> None:
+        sched.update_connector_output(WorkerReport(completed_store_events=sorted(sched._store_events)))
+
+    def run(req_id: str, tokens: list[int]) -> FakeRequest:
+        """Admit, load if hit, compute, store (eager), finish; our GPU pool keeps no prefix cache."""
+        req = FakeRequest(req_id, tokens, bs)
+        hit, _, ids = admit(sched, gpu, req)
+        if hit:
+            sched.build_connector_meta([])
+            sched.update_connector_output(WorkerReport(finished_load_reqs=[req_id]))
+        sched.build_connector_meta([StepRequest(req_id, ids, len(tokens), True)])
+        complete_stores()
+        sched.request_finished(req)
+        gpu.free([gpu.blocks[i] for i in ids])
+        return req
+
+    def first_key(tokens: list[int]) -> bytes:
+        return with_group_id(FakeRequest("k", tokens, bs).block_hashes[0])
+
+    prefix = list(range(9))  # 2 full blocks
+    run("a", prefix)
+    assert pool.lookup(first_key(prefix)).seg == T1  # stored, seen once
+    run("a2", prefix)  # a CPU hit on both blocks: reused now
+    assert pool.lookup(first_key(prefix)).seg == T2
+    others = [[1000 * (n + 1) + t for t in range(9)] for n in range(4)]
+    for n, tokens in enumerate(others):  # blocks nobody reuses replace each other; the prefix stays
+        run(f"x{n}", tokens)
+    assert pool.lookup(first_key(prefix)) is not None
+    assert first_key(others[0]) in q.b1  # evicted seen-once blocks are remembered as ghosts
+    p_before = q.p
+    assert sched.get_num_new_matched_tokens(FakeRequest("again", others[0], bs), 0) == (0, False)
+    assert q.p > p_before and first_key(others[0]) in q.recent and first_key(others[0]) not in q.b1
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_batched_allocation_takes_what_one_at_a_time_would(seed: int) -> None:
+    """ARC's batched `popleft_n` takes what n calls of `popleft` would, under the same traffic: same
+    blocks, same ghosts, same target, at every step."""
+    rng = random.Random(seed)
+    batched, single = (BlockPool(13, eviction="arc", history=16) for _ in range(2))
+    q = single.free_queue
+    q.popleft_n = lambda n: [q.popleft() for _ in range(n)]  # the reference: one `popleft` at a time
+    next_key = 100
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.5:  # a store of n new blocks; some keys come back later
+            n = rng.randint(1, 12)
+            keys = [key(rng.randrange(40) if rng.random() < 0.5 else next_key + i) for i in range(n)]
+            next_key += n
+            got = batched.allocate(n)
+            want = single.allocate(n)
+            assert (None if got is None else [b.block_id for b in got]) == (
+                None if want is None else [b.block_id for b in want])
+            for pool, blocks in ((batched, got), (single, want)):
+                for block, k in zip(blocks or [], keys, strict=False):
+                    pool.cache(block, k)
+                pool.free(blocks or [])
+        elif op < 0.75:
+            k = key(rng.randrange(40))
+            batched.note_reuse(k)
+            single.note_reuse(k)
+        else:
+            ghosts = list(batched.free_queue.b1) + list(batched.free_queue.b2)
+            k = rng.choice(ghosts) if ghosts and rng.random() < 0.8 else key(rng.randrange(200))
+            batched.note_miss(k)
+            single.note_miss(k)
+        qb, qs = batched.free_queue, single.free_queue
+        assert (list(qb.b1), list(qb.b2), qb.p) == (list(qs.b1), list(qs.b2), qs.p)
+        assert [b.block_id for b in qb] == [b.block_id for b in qs]

@@ -1,0 +1,278 @@
+"""`VllmGpuPool` against the installed vLLM's real `BlockPool` (supported: vLLM 0.32.x, and 0.33.x).
+
+The adapter may use only the public `BlockPool` API named in `CONTRACT`; a vLLM that renames or drops
+any of it fails `test_contract_*` loudly, as does one whose `touch` starts doing more than the adapter's
+copy of it. Its references are the connector's own, not cache accesses: they must not reach vLLM's
+`KVCacheMetricsCollector` (the residency histograms).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector  # noqa: E402
+from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    make_block_hash_with_group_id,
+)
+
+from offload_connector.vllm.gpu_pool import GpuPoolError, VllmGpuPool  # noqa: E402
+
+BS = 16
+NUM_BLOCKS = 10  # block 0 is vLLM's null block; 1..9 start in the free queue in id order
+
+# Everything of vLLM's the adapter may touch, by owner.
+CONTRACT = {
+    "BlockPool": ("blocks", "free_blocks", "get_num_free_blocks", "free_block_queue"),
+    "FreeKVCacheBlockQueue": ("remove", "prepend_n", "iter_blocks_after"),
+    "KVCacheBlock": ("block_id", "ref_cnt", "block_hash", "is_null"),
+}
+
+
+# ---------------------------------------------------------------- helpers
+def make_pool(metrics: bool = False) -> BlockPool:
+    collector = KVCacheMetricsCollector(sample_rate=1.0) if metrics else None  # sample every block
+    return BlockPool(num_gpu_blocks=NUM_BLOCKS, enable_caching=True, hash_block_size=BS,
+                     metrics_collector=collector)
+
+
+def queue_ids(pool: BlockPool) -> list[int]:
+    """vLLM's free queue, head (evicted first) to tail, read with vLLM's own accessor."""
+    return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+
+
+def ref_cnts(pool: BlockPool) -> list[int]:
+    return [b.ref_cnt for b in pool.blocks]
+
+
+def snapshot(pool: BlockPool) -> tuple:
+    return ref_cnts(pool), queue_ids(pool), pool.get_num_free_blocks(), [b.block_hash for b in pool.blocks]
+
+
+def check_pool(pool: BlockPool) -> None:
+    """vLLM's invariant: a non-null block is in the free queue iff nobody holds it."""
+    in_queue = set(queue_ids(pool))
+    assert pool.get_num_free_blocks() == len(in_queue)
+    for block in pool.blocks[1:]:
+        assert (block.ref_cnt == 0) == (block.block_id in in_queue), block
+        assert block.ref_cnt >= 0, block
+
+
+def key(n: int) -> bytes:
+    return make_block_hash_with_group_id(bytes([n]) * 32, 0)
+
+
+def run_request(pool: BlockPool, num_blocks: int, first_hash: int = 1) -> list[int]:
+    """The engine allocates `num_blocks`, caches them full (hashes first_hash, +1, ...) and frees them
+    the way vLLM's manager does (last block first), so they sit at the queue's tail in LRU order."""
+    blocks = pool.get_new_blocks(num_blocks)
+    request = SimpleNamespace(block_hashes=[bytes([first_hash + i]) * 32 for i in range(num_blocks)])
+    pool.cache_full_blocks(request, blocks, 0, num_blocks, BS, 0)
+    pool.free_blocks(reversed(blocks))
+    return [b.block_id for b in blocks]
+
+
+class ContractOnly:
+    """Exposes only the attributes `CONTRACT` names for `kind`; anything else fails the test."""
+
+    def __init__(self, target: object, kind: str) -> None:
+        self._target, self._kind = target, kind
+
+    def __getattr__(self, name: str) -> object:
+        if name not in CONTRACT[self._kind]:
+            raise AssertionError(f"the adapter used {self._kind}.{name}, outside the vLLM contract")
+        value = getattr(self._target, name)
+        return ContractOnly(value, "FreeKVCacheBlockQueue") if name == "free_block_queue" else value
+
+
+# ---------------------------------------------------------------- the contract
+def test_contract_names_exist_in_installed_vllm() -> None:
+    pool = make_pool()
+    owners = {"BlockPool": pool, "FreeKVCacheBlockQueue": pool.free_block_queue, "KVCacheBlock": pool.blocks[1]}
+    assert isinstance(pool.free_block_queue, FreeKVCacheBlockQueue)
+    assert isinstance(pool.blocks[1], KVCacheBlock)
+    missing = [f"{kind}.{name}" for kind, names in CONTRACT.items() for name in names
+               if not hasattr(owners[kind], name)]
+    assert not missing, f"vLLM changed the API VllmGpuPool relies on: {missing}"
+    assert pool.blocks[0] is pool.null_block and pool.null_block.is_null
+
+
+def test_contract_adapter_uses_nothing_else() -> None:
+    pool = make_pool()
+    run_request(pool, 2)
+    view = VllmGpuPool(ContractOnly(pool, "BlockPool"))
+    view.touch([3, 1])
+    view.free([3], front=True)
+    view.free([1])
+    frontier = list(view.eviction_candidates())
+    view.move_to_front(frontier[:3])
+    assert view.num_free_blocks() == NUM_BLOCKS - 1
+    check_pool(pool)
+
+
+def test_contract_touch_is_vllm_touch_minus_the_access_report() -> None:
+    # Twin pools, same history: vLLM's touch on one, ours on the other, must leave the same state.
+    pools = [make_pool(), make_pool()]
+    for pool in pools:
+        run_request(pool, 3)
+        pool.get_new_blocks(2)  # 4 5: held by the engine
+    ids = [1, 4, 1, 9]  # free, engine-held, twice, free
+    pools[0].touch([pools[0].blocks[i] for i in ids])
+    VllmGpuPool(pools[1]).touch(ids)
+    assert snapshot(pools[0]) == snapshot(pools[1])
+    check_pool(pools[1])
+
+
+# ---------------------------------------------------------------- metrics (regression)
+def test_protection_references_are_not_cache_accesses() -> None:
+    """vLLM's `touch` records an access per block (last access time, reuse gaps) in the pool's metrics
+    collector; evicting the block then reports fake reuse gaps and a reset idle time. Ours must not."""
+    pool = make_pool(metrics=True)
+    collector = pool.metrics_collector
+    view = VllmGpuPool(pool)
+    ids = run_request(pool, 2)
+    state = {i: collector.block_metrics[i] for i in ids}  # sampled at allocation (rate 1.0)
+    births = {i: s.last_access_ns for i, s in state.items()}
+    # 1. Two stores of the same blocks: take and drop a protection reference twice.
+    for _ in range(2):
+        view.touch(ids)
+        view.free(ids, front=True)
+    # 2. No access was recorded ...
+    assert all(not state[i].access_history for i in ids)
+    assert {i: s.last_access_ns for i, s in state.items()} == births
+    # 3. ... so when the engine reuses every free block, the evictions report no reuse.
+    pool.get_new_blocks(pool.get_num_free_blocks())
+    events = collector.drain_events()
+    assert len(events) == len(ids)  # the sampled blocks
+    assert all(e.reuse_gaps_seconds == () for e in events)
+
+
+def test_vllm_touch_does_count_as_an_access() -> None:
+    """The premise of the test above, on the installed vLLM (if it fails, re-read `BlockPool.touch`)."""
+    pool = make_pool(metrics=True)
+    (gpu_block_id,) = run_request(pool, 1)
+    block = pool.blocks[gpu_block_id]
+    for _ in range(2):
+        pool.touch([block])
+        pool.free_blocks([block])
+    assert len(pool.metrics_collector.block_metrics[gpu_block_id].access_history) == 2
+
+
+# ---------------------------------------------------------------- every GpuPool method
+def test_references_keep_blocks_out_of_the_free_queue() -> None:
+    pool = make_pool()
+    view = VllmGpuPool(pool)
+    # 1. A free block leaves the queue with our first reference and comes back with our last.
+    view.touch([5])
+    view.touch([5])
+    assert pool.blocks[5].ref_cnt == 2 and 5 not in queue_ids(pool)
+    view.free([5])
+    assert pool.blocks[5].ref_cnt == 1 and 5 not in queue_ids(pool)
+    view.free([5])
+    assert pool.blocks[5].ref_cnt == 0 and 5 in queue_ids(pool)
+    # 2. A block the engine holds stays out until both the engine and we let go.
+    (held,) = [b.block_id for b in pool.get_new_blocks(1)]
+    view.touch([held])
+    view.free([held], front=True)
+    assert pool.blocks[held].ref_cnt == 1 and held not in queue_ids(pool)
+    pool.free_blocks([pool.blocks[held]])
+    assert held in queue_ids(pool)
+    assert view.num_free_blocks() == pool.get_num_free_blocks() == NUM_BLOCKS - 1
+    check_pool(pool)
+
+
+def test_free_puts_blocks_at_vllms_place_or_at_the_head() -> None:
+    pool = make_pool()
+    view = VllmGpuPool(pool)
+    a = run_request(pool, 2, first_hash=1)  # hashed
+    assert queue_ids(pool)[-2:] == a[::-1]
+    # 1. Without front, vLLM's own order: hashed blocks to the tail (LRU), unhashed ones to the head.
+    view.touch([a[0], 9])
+    view.free([a[0], 9])
+    assert queue_ids(pool)[0] == 9 and queue_ids(pool)[-1] == a[0]
+    # 2. With front, every block reaching zero goes to the head, the first listed nearest it.
+    view.touch([a[1], a[0], 9])
+    view.free([a[0], a[1], 9], front=True)
+    assert queue_ids(pool)[:3] == [a[0], a[1], 9]
+    # 3. A block listed twice is freed twice and placed once.
+    view.touch([a[1], a[1]])
+    view.free([a[1], a[1]], front=True)
+    assert queue_ids(pool)[:3] == [a[1], a[0], 9]
+    check_pool(pool)
+
+
+def test_eviction_candidates_walk_the_free_queue_from_its_head() -> None:
+    pool = make_pool()
+    view = VllmGpuPool(pool)
+    a = run_request(pool, 2, first_hash=1)
+    candidates = view.eviction_candidates()
+    assert next(candidates) == (queue_ids(pool)[0], None)  # lazy: a prefix costs only the prefix
+    assert list(view.eviction_candidates()) == [(b.block_id, b.block_hash)
+                                                for b in pool.free_block_queue.get_all_free_blocks()]
+    assert list(view.eviction_candidates())[-2:] == [(a[1], key(2)), (a[0], key(1))]
+    assert 0 not in [i for i, _ in view.eviction_candidates()]
+
+
+def test_move_to_front_restores_a_frontier_and_skips_held_or_rehashed_blocks() -> None:
+    pool = make_pool()
+    view = VllmGpuPool(pool)
+    a = run_request(pool, 3, first_hash=1)  # queue: the six unused blocks, then a[2] a[1] a[0]
+    frontier = list(view.eviction_candidates())[-3:]
+    assert frontier == [(a[2], key(3)), (a[1], key(2)), (a[0], key(1))]
+    # 1. The frontier goes back to the head in its order.
+    view.move_to_front(frontier)
+    assert queue_ids(pool)[:3] == [a[2], a[1], a[0]]
+    # 2. A block held now (by us or the engine) is skipped.
+    view.touch([a[1]])
+    view.move_to_front(frontier[::-1])
+    assert queue_ids(pool)[:2] == [a[0], a[2]] and a[1] not in queue_ids(pool)
+    view.free([a[1]])
+    # 3. A block evicted and reused for other content since it was listed is skipped.
+    before = queue_ids(pool)
+    reused = pool.get_new_blocks(pool.get_num_free_blocks())  # the engine drains the queue ...
+    pool.cache_full_blocks(SimpleNamespace(block_hashes=[bytes([7 + i]) * 32 for i in range(len(reused))]),
+                           reused, 0, len(reused), BS, 0)
+    pool.free_blocks(reused)  # ... and frees everything again, rehashed
+    after = queue_ids(pool)
+    view.move_to_front([(i, k) for i, k in frontier])  # stale keys: nothing moves
+    assert queue_ids(pool) == after and set(after) == set(before)
+    # 4. Listed twice moves once; the null block never moves.
+    fresh = list(view.eviction_candidates())[-1]
+    view.move_to_front([fresh, fresh, (0, None)])
+    assert queue_ids(pool)[0] == fresh[0] and queue_ids(pool).count(fresh[0]) == 1
+    check_pool(pool)
+
+
+# ---------------------------------------------------------------- misuse changes nothing
+@pytest.mark.parametrize("call", [
+    lambda view: view.touch([0]),
+    lambda view: view.free([0]),
+    lambda view: view.touch([2, NUM_BLOCKS]),
+    lambda view: view.free([2, -1], front=True),
+    lambda view: view.free([3]),  # never touched: ref_cnt 0
+    lambda view: view.free([2, 3], front=True),  # 2 is ours, 3 is not
+    lambda view: view.free([2, 2]),  # one reference, two frees
+])
+def test_misuse_is_refused_before_anything_changes(call) -> None:
+    pool = make_pool()
+    view = VllmGpuPool(pool)
+    run_request(pool, 2)
+    view.touch([2])
+    before = snapshot(pool)
+    with pytest.raises(GpuPoolError):
+        call(view)
+    assert snapshot(pool) == before
+    assert pool.null_block.ref_cnt == 0 and 0 not in queue_ids(pool)
+    check_pool(pool)
+
+
+def test_unbound_view_says_so() -> None:
+    with pytest.raises(GpuPoolError, match="not bound"):
+        VllmGpuPool().num_free_blocks()

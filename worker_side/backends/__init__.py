@@ -1,0 +1,1 @@
+"""Copy backends: the `TransferBackend` interface, the CPU backend and the CUDA backend."""

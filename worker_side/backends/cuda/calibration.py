@@ -1,0 +1,146 @@
+"""The start-up calibration: time the block-copy kernel against DMA on this device, then pick the policy.
+
+Run once by the CUDA backend at bind (`register_kv_caches`), before any request, where
+`transfer.calibrate` is on and the kernel is available. For each direction the configuration lets the
+kernel take (kernel_policy.py), it times one job of each shape both ways, best of `REPS`, with timing events
+on one stream, each job waited for before the next:
+- segment size: runs of 1, 2, 4, ... blocks (each run one segment per plane where the layout coalesces);
+  `max_segment_bytes` becomes the largest average segment size up to which the kernel was faster at every
+  size measured; where it was slower even at the smallest, the direction goes to DMA only;
+- segment count: 1, 2, 4, ... scattered blocks; `min_segments` becomes the smallest count from which the
+  kernel was faster at every count measured (the size sweep's own count where none was).
+Budget: each timed job moves at most `JOB_BYTES`; at most about 100 jobs in all, tens of milliseconds on a
+GPU. The jobs copy engine blocks 1..M to host blocks 1..M and back, pairing block i with block i, and the
+first copy is a store of all of them: every later load writes back the bytes the block already holds, so
+the KV cache is as it was (the host blocks are free: the scheduler has handed none out yet).
+This module decides; the backend times (`TimeJob`). It never raises for a slow or odd device: the worst
+result is "DMA only", which is what the copy engines did before the kernel existed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from worker_side.backends.base import JobKind
+from worker_side.backends.cuda.api import CudaRuntime, Stream
+from worker_side.backends.cuda.kernel_policy import KernelPolicy, KernelRule
+from worker_side.copy_plan import CopyGeometry
+
+RUN_LENGTHS = (1, 2, 4, 8, 16, 32)
+BLOCK_COUNTS = (1, 2, 4, 8, 16, 32)
+JOB_BYTES = 16 << 20
+REPS = 3
+
+TimeJob = Callable[[JobKind, str, np.ndarray, np.ndarray], float]  # (kind, "kernel" | "dma", src, dst) -> s
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    kind: JobKind
+    num_blocks: int
+    num_segments: int
+    avg_segment_bytes: int
+    kernel_s: float
+    dma_s: float
+
+    @property
+    def kernel_wins(self) -> bool:
+        return self.kernel_s < self.dma_s
+
+
+def num_calibration_blocks(num_device_blocks: int, num_host_blocks: int, bytes_per_block: int) -> int:
+    """M: blocks 1..M on both sides, enough for two runs of the longest run length within the budget."""
+    budget = max(2, 2 * JOB_BYTES // max(1, bytes_per_block))
+    return max(0, min(num_device_blocks - 1, num_host_blocks - 1, 2 * max(RUN_LENGTHS), budget))
+
+
+def _runs_of(ids: np.ndarray, run: int) -> np.ndarray:
+    """Every other run of `run` consecutive ids: runs of `run` blocks with gaps between them."""
+    return ids[((ids - 1) // run) % 2 == 0]
+
+
+def _measure(kind: JobKind, geometry: CopyGeometry, ids: np.ndarray, time_job: TimeJob) -> Measurement:
+    runs = geometry.runs(ids, ids)
+    segments = geometry.num_segments(len(ids), len(runs[2]))
+    total = len(ids) * geometry.bytes_per_block
+    best = {path: min(time_job(kind, path, ids, ids) for _ in range(REPS)) for path in ("kernel", "dma")}
+    return Measurement(kind, len(ids), segments, total // max(1, segments), best["kernel"], best["dma"])
+
+
+def rule_from(sizes: list[Measurement], counts: list[Measurement]) -> KernelRule | None:
+    """The rule the measurements support (see the module docstring), or None: DMA only."""
+    by_size = sorted(sizes, key=lambda m: m.avg_segment_bytes)
+    if not by_size or not by_size[0].kernel_wins:
+        return None
+    max_bytes = by_size[0].avg_segment_bytes
+    for m in by_size[1:]:
+        if not m.kernel_wins:
+            break
+        max_bytes = m.avg_segment_bytes
+    min_segments = by_size[0].num_segments
+    for m in sorted(counts, key=lambda m: m.num_segments, reverse=True):
+        if not m.kernel_wins:
+            break
+        min_segments = min(min_segments, m.num_segments)
+    return KernelRule(max_bytes, min_segments)
+
+
+def calibrate(policy: KernelPolicy, geometry: dict[JobKind, CopyGeometry], num_blocks: int,
+              time_job: TimeJob) -> tuple[KernelPolicy, list[Measurement]]:
+    """Measure and return the policy for this device (directions without a rule in `policy` stay DMA)."""
+    ids = np.arange(1, num_blocks + 1, dtype=np.int64)
+    if num_blocks < 2 or not policy.rules:
+        return policy, []
+    time_job("store", "dma", ids, ids)  # host blocks 1..M now hold engine blocks 1..M: loads write back the same
+    measured: list[Measurement] = []
+    for kind in ("store", "load"):  # stores first (see above)
+        if kind not in policy.rules:
+            continue
+        sizes, seen = [], set()
+        for run in RUN_LENGTHS:
+            if 2 * run > num_blocks:
+                break
+            job = _runs_of(ids, run)
+            m = _measure(kind, geometry[kind], job, time_job)
+            if m.avg_segment_bytes not in seen:  # a layout that never coalesces gives one size only
+                seen.add(m.avg_segment_bytes)
+                sizes.append(m)
+        scattered = _runs_of(ids, 1)
+        counts = [_measure(kind, geometry[kind], scattered[:n], time_job)
+                  for n in BLOCK_COUNTS if n <= len(scattered)]
+        measured += sizes + counts
+        policy = policy.with_rule(kind, rule_from(sizes, counts))
+    return policy, measured
+
+
+class JobTimer:
+    """Times one job at a time on one stream with a pair of timing events; `time_job` is a `TimeJob`.
+
+    `issue(kind, path, src_ids, dst_ids, stream)` enqueues the job and returns the kernel-argument entries it
+    holds; they are given back (`release(kind, entries)`) once the job is waited for, or by `release_held`
+    after a failure, once the caller waited for the stream."""
+
+    def __init__(self, rt: CudaRuntime, stream: Stream,
+                 issue: Callable[[JobKind, str, np.ndarray, np.ndarray, Stream], int],
+                 release: Callable[[JobKind, int], None]) -> None:
+        self.rt, self.stream, self._issue, self._release = rt, stream, issue, release
+        self.start, self.end = rt.create_event(timing=True), rt.create_event(timing=True)
+        self._held: list[tuple[JobKind, int]] = []
+
+    def time_job(self, kind: JobKind, path: str, src_ids: np.ndarray, dst_ids: np.ndarray) -> float:
+        self.rt.record_event(self.start, self.stream)
+        entries = self._issue(kind, path, src_ids, dst_ids, self.stream)
+        if entries:
+            self._held.append((kind, entries))
+        self.rt.record_event(self.end, self.stream)
+        self.rt.synchronize_event(self.end)
+        self.release_held()
+        return self.rt.elapsed_s(self.start, self.end)
+
+    def release_held(self) -> None:
+        for kind, entries in self._held:
+            self._release(kind, entries)
+        self._held = []

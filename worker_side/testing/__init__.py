@@ -1,0 +1,1 @@
+"""Test doubles, apart from the product: the simulated CUDA device and the fault-injecting backend."""

@@ -1,0 +1,389 @@
+"""A simulated CUDA device: the `CudaRuntime` seam with host memory standing in for device memory.
+
+For tests and benchmarks only (`pytest -m cudasim`, `bench_datapath.py --backend cuda-sim`); production
+never constructs it. It follows cuda_api.py's semantics and turns what a real GPU would do silently wrong
+into something a test sees:
+- Streams are FIFO queues whose work runs only when the simulator decides (sim_streams.py): at each API
+  call up to `burst` items run in the order `schedule` prefers ("copy_first" exposes a missing fence
+  before a store or a load; "compute_first"; "random"; "copy_lag" queues many jobs at once, so anything
+  released before its job ran gets reused), seeded. Waits and events behave as CUDA's (a wait captures
+  the event's latest record at call time); `synchronize_*` runs work until the event or stream is done. The fake engine's forward runs as work on a compute stream
+  (`launch_host_work`), so a copy that races the forward corrupts KV and the fake model's check fails.
+- The calling thread's current device is tracked (a new thread starts on device 0); every call that
+  touches a stream, event or memory checks it matches, and `devices_touched[thread id]` records every
+  device a thread used (a context created on the wrong GPU shows up there).
+- Device memory is what `alloc_device` returned; host registrations are tracked by page. A copy whose host
+  side is not inside one registration made on the stream's device, or whose device side is not memory of
+  the stream's device, is a *fault*: recorded in `faults` (tests assert it stays empty) and raised as
+  `CudaError` where CUDA would refuse the call; `memcpy(pageable=True)` may use unregistered memory.
+- `device_of` is a driver call (it needs a context, so it counts as touching the current device);
+  `tensor_device` is framework metadata (torch's `tensor.device`) and touches nothing.
+- A device-to-host `memcpy(pageable=True)` blocks the calling thread until the copy ran (CUDA's rule for
+  pageable destinations), so it waits for everything queued before it on its stream; `host_blocked` lists
+  (thread id, call) for every call that made a thread wait that way.
+- `fail_register` / `max_register_bytes` make `host_register` fail (pinning fallback, chunking);
+  `supports_batch` / `supports_kernel` switch the batched copy and the kernel off (fallback paths);
+  `host_pointer_for_registered_mem=False` is a device whose kernels cannot read registered host memory
+  through its host address (a kernel launched there anyway is a fault); `fail_kernel_launches` makes the
+  next N launches fail as a driver would (nothing enqueued). `num_sms` and `kernel_max_sms` give the grid
+  cap; `kernel_grids` lists the grid of every launch.
+- Time is simulated (`timing`, sim_timing.SimTiming): each copy or kernel advances its stream's clock, and
+  timing events (`create_event(timing=True)`, `elapsed_s`) read it, deterministically.
+`calls` counts API calls by name; `self_time` is the time spent inside this simulator's calls, so a
+benchmark can subtract it and keep only the backend's own host time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from worker_side.backends.cpu import run_segments
+from worker_side.backends.cuda.api import CudaError
+from worker_side.copy_plan import Segments
+from worker_side.testing.sim_streams import SCHEDULES, SimEvent, SimStream, SimWork, StreamScheduler
+from worker_side.testing.sim_timing import SimTiming
+
+__all__ = ["SCHEDULES", "SimCompute", "SimCudaRuntime", "SimTiming"]
+
+PAGE = 4096
+
+
+class SimCudaRuntime:
+    name = "cuda-sim"
+
+    def __init__(self, num_devices: int = 1, schedule: str = "random", seed: int = 0, burst: int = 3,
+                 supports_batch: bool = True, supports_kernel: bool = True, fail_register: bool = False,
+                 max_register_bytes: int | None = None, numa_nodes: dict[int, int] | None = None,
+                 copy_bytes: bool = True, num_sms: int = 132, kernel_max_sms: int = 12,
+                 host_pointer_for_registered_mem: bool = True, fail_kernel_launches: int = 0,
+                 timing: SimTiming | None = None) -> None:
+        self._queues = StreamScheduler(schedule, seed, burst)
+        self.num_devices, self.schedule = num_devices, schedule
+        self.supports_batch, self.supports_kernel = supports_batch, supports_kernel
+        self.fail_register, self.max_register_bytes = fail_register, max_register_bytes
+        self.numa_nodes = dict(numa_nodes or {})
+        self.sms, self.kernel_max_sms = num_sms, kernel_max_sms
+        self.host_pointer_for_registered_mem = host_pointer_for_registered_mem
+        self.fail_kernel_launches = fail_kernel_launches  # the next N launches fail, enqueuing nothing
+        self.timing = timing if timing is not None else SimTiming()
+        self.kernel_grids: list[int] = []  # thread blocks of each launch
+        self.host_blocked: list[tuple[int, str]] = []  # (thread id, call) of calls that waited for the device
+        # False (submission benchmarks): calls are still checked, but queued work moves no bytes and the kernel
+        # does not expand its block ids (that would evict the caches the next timed submission runs on)
+        self.copy_bytes = copy_bytes
+        self._lock = threading.RLock()
+        self._tls = threading.local()
+        self._compute = [SimStream(d, f"compute{d}", True) for d in range(num_devices)]
+        self._queues.streams.extend(self._compute)
+        self._device_memory: list[tuple[int, int, int, torch.Tensor]] = []  # (start, end, device, tensor)
+        self.registrations: dict[int, tuple[int, int, int]] = {}  # ptr -> (end, device, first page)
+        self.faults: list[str] = []
+        self.calls: Counter[str] = Counter()
+        self.devices_touched: dict[int, set[int]] = {}
+        self.self_time = 0.0
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------
+    def _enter(self, op: str) -> int:
+        """Count the call, note the device it touches, let queued work advance; returns the current device."""
+        device = self.get_device()
+        self.calls[op] += 1
+        self.devices_touched.setdefault(threading.get_ident(), set()).add(device)
+        self._queues.tick()
+        return device
+
+    def _fault(self, message: str) -> str:
+        self.faults.append(message)
+        return message
+
+    def _same_device(self, op: str, device: int, *objs: SimStream | SimEvent) -> None:
+        for obj in objs:
+            if obj.device != device:
+                raise CudaError(self._fault(f"{op}: {type(obj).__name__} of device {obj.device} used while "
+                                            f"device {device} is current (cudaErrorInvalidResourceHandle)"))
+
+    # ---- devices and memory ----------------------------------------------------------------------------
+    def get_device(self) -> int:
+        return getattr(self._tls, "device", 0)
+
+    def set_device(self, device: int) -> None:
+        if not 0 <= device < self.num_devices:
+            raise CudaError(f"cudaSetDevice({device}): cudaErrorInvalidDevice ({self.num_devices} devices)")
+        if device != self.get_device():
+            self._tls.device = device
+            self._enter("set_device")
+
+    def alloc_device(self, shape: tuple[int, ...], dtype: torch.dtype, device: int = 0) -> torch.Tensor:
+        """Zeroed "device memory" of `device` (host memory the simulator treats as the GPU's)."""
+        t = torch.zeros(shape, dtype=dtype)
+        with self._lock:
+            self._device_memory.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), device, t))
+        return t
+
+    def _owner(self, ptr: int, nbytes: int) -> int | None:
+        for start, end, device, _ in self._device_memory:
+            if start <= ptr and ptr + nbytes <= end:
+                return device
+        return None
+
+    def device_of(self, ptr: int, nbytes: int) -> int | None:
+        with self._lock:
+            self._enter("device_of")  # a driver call: it runs in (and may create) the current device's context
+            return self._owner(ptr, nbytes)
+
+    def tensor_device(self, tensor: torch.Tensor) -> int | None:
+        return self._owner(tensor.data_ptr(), 1)  # framework metadata: no driver call
+
+    def numa_node(self, device: int) -> int | None:
+        return self.numa_nodes.get(device)
+
+    def num_sms(self, device: int) -> int:
+        return self.sms
+
+    def can_use_host_pointer(self, device: int) -> bool:
+        return self.host_pointer_for_registered_mem
+
+    @property
+    def kernel_error(self) -> str | None:
+        return None if self.supports_kernel else "switched off on the simulated device (supports_kernel=False)"
+
+    def close(self) -> None:
+        self.calls["close"] += 1
+
+    # ---- streams and events --------------------------------------------------------------------------
+    def compute_stream(self) -> SimStream:
+        with self._lock:
+            return self._compute[self._enter("compute_stream")]
+
+    def create_stream(self, low_priority: bool) -> SimStream:
+        with self._lock:
+            device = self._enter("create_stream")
+            s = SimStream(device, f"copy{device}.{len(self.streams)}{'-low' if low_priority else ''}", False)
+            self._queues.streams.append(s)
+            return s
+
+    def create_event(self, timing: bool = False) -> SimEvent:
+        with self._lock:
+            return SimEvent(self._enter("create_event"), timing)
+
+    def record_event(self, event: SimEvent, stream: SimStream) -> None:
+        with self._lock:
+            self._same_device("record_event", self._enter("record_event"), event, stream)
+            event.record(stream)
+
+    def elapsed_s(self, start: SimEvent, end: SimEvent) -> float:
+        with self._lock:
+            self._enter("elapsed_s")
+            for e in (start, end):
+                if not e.timing:
+                    raise CudaError("cuEventElapsedTime: an event created without timing "
+                                    "(CUDA_ERROR_INVALID_HANDLE)")
+                if e.time is None:
+                    raise CudaError("cuEventElapsedTime: an event not recorded or not complete "
+                                    "(CUDA_ERROR_NOT_READY)")
+            return end.time - start.time  # type: ignore[operator]
+
+    def wait_event(self, stream: SimStream, event: SimEvent) -> None:
+        with self._lock:
+            self._same_device("wait_event", self._enter("wait_event"), stream)
+            if event.target is not None:
+                self._queues.push(stream, SimWork("wait", wait=event.target))
+
+    def query_event(self, event: SimEvent) -> bool:
+        with self._lock:
+            self._same_device("query_event", self._enter("query_event"), event)
+            return event.done()
+
+    def synchronize_event(self, event: SimEvent) -> None:
+        with self._lock:
+            self._enter("synchronize_event")
+            self._queues.run_until(event.done, "synchronize_event")
+
+    def synchronize_stream(self, stream: SimStream) -> None:
+        with self._lock:
+            self._same_device("synchronize_stream", self._enter("synchronize_stream"), stream)
+            self._queues.run_until(lambda: stream.completed == stream.enqueued, "synchronize_stream")
+
+    # ---- host memory -----------------------------------------------------------------------------------
+    def host_register(self, ptr: int, nbytes: int) -> None:
+        with self._lock:
+            device = self._enter("host_register")
+            if self.fail_register:
+                raise CudaError(f"cudaHostRegister({nbytes} bytes): cudaErrorMemoryAllocation (simulated)")
+            if self.max_register_bytes is not None and nbytes > self.max_register_bytes:
+                raise CudaError(f"cudaHostRegister({nbytes} bytes): cudaErrorInvalidValue (over the simulated "
+                                f"limit of {self.max_register_bytes} bytes)")
+            first, last = ptr // PAGE, (ptr + nbytes - 1) // PAGE
+            for p, (end, _, p_first) in self.registrations.items():
+                if first <= (end - 1) // PAGE and p_first <= last:
+                    raise CudaError(self._fault(f"cudaHostRegister({ptr:#x}, {nbytes}): shares a page with the "
+                                                f"registration at {p:#x} (cudaErrorHostMemoryAlreadyRegistered)"))
+            self.registrations[ptr] = (ptr + nbytes, device, first)
+
+    def host_unregister(self, ptr: int) -> None:
+        with self._lock:
+            self._enter("host_unregister")
+            if self.registrations.pop(ptr, None) is None:
+                raise CudaError(f"cudaHostUnregister({ptr:#x}): cudaErrorHostMemoryNotRegistered")
+
+    def _host_ok(self, ptr: np.ndarray, nbytes: np.ndarray, device: int) -> np.ndarray:
+        """Per segment: does [ptr, ptr + nbytes) lie inside one registration made on `device`?"""
+        ok = np.zeros(len(ptr), bool)
+        for start, (end, dev, _) in self.registrations.items():
+            if dev == device:
+                ok |= (ptr >= start) & (ptr + nbytes <= end)
+        return ok
+
+    def _device_ok(self, ptr: np.ndarray, nbytes: np.ndarray, device: int) -> np.ndarray:
+        ok = np.zeros(len(ptr), bool)
+        for start, end, dev, _ in self._device_memory:
+            if dev == device:
+                ok |= (ptr >= start) & (ptr + nbytes <= end)
+        return ok
+
+    def _check_copies(self, op: str, device: int, segs: Segments, pageable: bool = False) -> str | None:
+        """A fault message if any segment is not device <-> registered host memory of `device`."""
+        d_dev, s_dev = self._device_ok(segs.dst, segs.nbytes, device), self._device_ok(segs.src, segs.nbytes, device)
+        if pageable:
+            d_host, s_host = ~d_dev, ~s_dev
+        else:
+            d_host, s_host = self._host_ok(segs.dst, segs.nbytes, device), self._host_ok(segs.src, segs.nbytes, device)
+        bad = np.flatnonzero(~((d_dev & s_host) | (s_dev & d_host)))
+        if not len(bad):
+            return None
+        i = int(bad[0])
+        return self._fault(f"{op} on device {device}: {len(bad)} of {len(segs)} segments are not device memory of "
+                           f"device {device} <-> host memory registered there (first: dst {int(segs.dst[i]):#x}, "
+                           f"src {int(segs.src[i]):#x}, {int(segs.nbytes[i])} bytes; unregistered, straddling "
+                           "two registrations, or another device's)")
+
+    # ---- copies ------------------------------------------------------------------------------------------
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: SimStream, pageable: bool = False) -> None:
+        self._copy("memcpy", Segments(*(np.array([x], np.int64) for x in (dst, src, nbytes))), stream, pageable)
+
+    def memcpy_batch(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, stream: SimStream) -> None:
+        if not self.supports_batch:
+            raise CudaError("cuMemcpyBatchAsync: CUDA_ERROR_NOT_SUPPORTED (simulated driver < 12.8)")
+        self._copy("memcpy_batch", Segments(dst.copy(), src.copy(), nbytes.copy()), stream, False)
+
+    def _copy(self, op: str, segs: Segments, stream: SimStream, pageable: bool) -> None:
+        t0 = time.perf_counter()
+        with self._lock:
+            device = self._enter(op)
+            self._same_device(op, device, stream)
+            fault = self._check_copies(op, device, segs, pageable)
+            if fault is not None:
+                raise CudaError(fault)
+            seconds = self.timing.dma_seconds(len(segs), segs.total_bytes)
+            self._queues.push(stream, SimWork("copy", run=lambda: self._move(segs), seconds=seconds))
+            if pageable and not self._device_ok(segs.dst, segs.nbytes, device).any():
+                # device -> pageable host: the call returns only once the copy ran, after all before it
+                position = stream.enqueued
+                self.host_blocked.append((threading.get_ident(), f"{op} device->pageable host"))
+                self._queues.run_until(lambda: stream.completed >= position, f"{op} (pageable destination)")
+        self.self_time += time.perf_counter() - t0
+
+    def _move(self, segs: Segments) -> None:
+        if self.copy_bytes:
+            run_segments(segs)
+
+    def _registered_table(self, op: str, device: int, ptr: int, nbytes: int) -> None:
+        if not self._host_ok(np.array([ptr], np.int64), np.array([nbytes], np.int64), device)[0]:
+            raise CudaError(self._fault(f"{op}: argument table at {ptr:#x} ({nbytes} bytes) is not in host memory "
+                                        f"registered on device {device}"))
+
+    def launch_block_copy(self, planes_ptr: int, num_planes: int, ids_ptr: int, num_blocks: int,
+                          stream: SimStream) -> None:
+        t0 = time.perf_counter()
+        with self._lock:
+            device = self._enter("launch_block_copy")
+            self._same_device("launch_block_copy", device, stream)
+            if not self.supports_kernel:
+                raise CudaError("block-copy kernel: not available (simulated)")
+            if self.fail_kernel_launches > 0:
+                self.fail_kernel_launches -= 1
+                raise CudaError("cuLaunchKernel: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (simulated failure)")
+            if not self.host_pointer_for_registered_mem:
+                raise CudaError(self._fault(
+                    f"launch_block_copy on device {device}: CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM is 0, so the "
+                    "kernel cannot read registered host memory at its host address (CUDA_ERROR_ILLEGAL_ADDRESS, "
+                    "sticky)"))
+            self._registered_table("launch_block_copy", device, planes_ptr, num_planes * 40)
+            self._registered_table("launch_block_copy", device, ids_ptr, num_blocks * 16)
+            self.kernel_grids.append(min(num_planes * num_blocks, max(1, min(self.kernel_max_sms, self.sms))))
+            planes_now = _read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)
+            seconds = self.timing.kernel_seconds(int(planes_now[:, 4].sum()) * num_blocks)
+
+            def run() -> None:  # the kernel reads its plane table and block ids now, when it runs
+                if not self.copy_bytes:
+                    return
+                planes = _read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)[:, :, None]
+                ids = _read_int64(ids_ptr, 2 * num_blocks)
+                src_ids, dst_ids = ids[:num_blocks], ids[num_blocks:]
+                segs = Segments((planes[:, 1] + dst_ids * planes[:, 3]).ravel(),
+                                (planes[:, 0] + src_ids * planes[:, 2]).ravel(),
+                                np.broadcast_to(planes[:, 4], (num_planes, num_blocks)).ravel().copy())
+                if self._check_copies("block-copy kernel", device, segs) is None:
+                    run_segments(segs)
+
+            self._queues.push(stream, SimWork("kernel", run=run, seconds=seconds))
+        self.self_time += time.perf_counter() - t0
+
+    def launch_host_work(self, stream: SimStream, fn: Callable[[], None]) -> None:
+        """Enqueue `fn` as a kernel on `stream` (the fake model's forward: reads and writes of KV blocks)."""
+        with self._lock:
+            self._same_device("launch_host_work", self._enter("launch_host_work"), stream)
+            self._queues.push(stream, SimWork("compute", run=fn))
+
+    def drain(self) -> None:
+        """Run every queued item (tests, end of a run)."""
+        with self._lock:
+            self._queues.drain()
+
+    @property
+    def streams(self) -> list[SimStream]:
+        return self._queues.streams
+
+    @property
+    def errors(self) -> list[BaseException]:
+        return self._queues.errors
+
+    @property
+    def num_queued(self) -> int:
+        return self._queues.num_queued
+
+
+def _read_int64(ptr: int, count: int) -> np.ndarray:
+    return np.frombuffer((ctypes.c_int64 * count).from_address(ptr), np.int64).copy()
+
+
+class SimCompute:
+    """The fake engine's compute queue on a simulated device: the forward runs when the simulator says."""
+
+    def __init__(self, rt: SimCudaRuntime, device: int = 0) -> None:
+        self.rt, self.device = rt, device
+
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self.rt.alloc_device(shape, dtype, self.device)
+
+    def _raise_errors(self) -> None:
+        if self.rt.errors:
+            raise self.rt.errors[0]
+
+    def launch(self, fn: Callable[[], None]) -> None:
+        self._raise_errors()
+        if self.rt.get_device() != self.device:
+            self.rt.set_device(self.device)
+        self.rt.launch_host_work(self.rt.compute_stream(), fn)
+
+    def synchronize(self) -> None:
+        if self.rt.get_device() != self.device:
+            self.rt.set_device(self.device)
+        self.rt.synchronize_stream(self.rt.compute_stream())
+        self._raise_errors()

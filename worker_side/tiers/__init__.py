@@ -1,0 +1,1 @@
+"""The I/O of tiers below the CPU tier, between them and the host pool."""
