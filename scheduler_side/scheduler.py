@@ -89,12 +89,12 @@ class OffloadScheduler(Lookups, Completions, Admissions, HybridGroups):
             check_groups_supported(self.config, self.groups)
             self.group_id = self.groups[0].group_id  # admission and ARC judge content by group 0's keys
         self.cpu_pool = BlockPool(self.num_cpu_blocks, on_evict=self._on_cpu_evict,
-                                  eviction=self.config.eviction, empty_first=True,
+                                  eviction=self.config.eviction,
                                   history=self.num_cpu_blocks + (self.num_gpu_blocks or self.num_cpu_blocks))
         # Remembers the keys of several times what both tiers hold: a superseded branch is recent.
         self.admission = AdmissionFilter(4 * (self.num_cpu_blocks + (self.num_gpu_blocks or self.num_cpu_blocks)),
                                          branch_filter=self.config.branch_filter)
-        self._arc = self.cpu_pool.eviction == "arc"  # ARC hints cost a loop per lookup; LRU needs none
+        self._arc = self.cpu_pool.free_queue.wants_hints  # hints cost a loop per lookup; LRU needs none
         self._requests: dict[str, RequestState] = {}
         self._loads_to_send: list[RequestState] = []  # load jobs created since the last metadata
         self._store_events: dict[int, StoreEvent] = {}

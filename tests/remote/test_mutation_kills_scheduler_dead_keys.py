@@ -13,8 +13,7 @@ from test_mutation_kills_scheduler_remote_lookup import StandInClient, answer, h
 
 from offload_connector.hashing import with_group_id
 from scheduler_side.policies.lazy import LazyStorePolicy
-from scheduler_side.pool.arc_queue import ArcFreeQueue
-from scheduler_side.pool.free_queue import Block
+from scheduler_side.pool.eviction.arc import ArcBlock, ArcEviction
 from scheduler_side.tiers.remote.lookups import BLOCKS_PER_ROUND, RemoteLookups
 
 BS = 4
@@ -101,8 +100,8 @@ def test_dead_blocks_an_admission_would_evict_do_not_defer_it() -> None:
 
 
 def test_the_arc_queue_refuses_to_remove_a_held_block() -> None:
-    blocks = [Block(i) for i in range(1, 4)]
-    queue = ArcFreeQueue(blocks)
+    blocks = [ArcBlock(i) for i in range(1, 4)]
+    queue = ArcEviction(blocks)
     queue.remove(blocks[0])
     with pytest.raises(RuntimeError, match="not in the free queue"):
         queue.remove(blocks[0])

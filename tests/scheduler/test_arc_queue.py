@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from offload_connector.hashing import with_group_id
 from offload_connector.metadata import WorkerReport
 from scheduler_side import BlockPool, StepRequest
-from scheduler_side.pool.arc_queue import EMPTY, HELD, T1, T2
+from scheduler_side.pool.eviction.arc import EMPTY, HELD, T1, T2
 
 
 def key(i: int) -> bytes:
