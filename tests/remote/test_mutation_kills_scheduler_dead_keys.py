@@ -1,7 +1,7 @@
 """Dead keys (refused by the admission filter: `store: false`, a superseded branch, a closed session) in the
 lazy policy, the ARC queue's refusal of a double remove, and the lookup thread's last round and shutdown:
 behaviours the mutation run found no test for (docs/mutation.md). The lazy policy is driven through a
-stand-in `PolicyView`, so that exactly one thing differs between a live key and a dead one."""
+stand-in `StorePolicyView`, so that exactly one thing differs between a live key and a dead one."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ BS = 4
 
 
 class View:
-    """A `PolicyView` over a hand-made GPU frontier: (gpu id, key) pairs, some keys dead, none saved."""
+    """A `StorePolicyView` over a hand-made GPU frontier: (gpu id, key) pairs, some keys dead, none saved."""
 
     def __init__(self, frontier: list[tuple[int, bytes]], dead: set[bytes], cpu_free: int = 100) -> None:
         self.block_size, self.group_id = BS, 0

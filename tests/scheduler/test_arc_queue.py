@@ -199,7 +199,7 @@ def test_scheduler_feeds_arc_with_hits_and_misses() -> None:
     pool, q = sched.cpu_pool, sched.cpu_pool.free_queue
 
     def complete_stores() -> None:
-        sched.update_connector_output(WorkerReport(completed_store_events=sorted(sched._store_events)))
+        sched.update_connector_output(WorkerReport(completed_store_events=sorted(sched.transfers.store_events)))
 
     def run(req_id: str, tokens: list[int]) -> FakeRequest:
         """Admit, load if hit, compute, store (eager), finish; our GPU pool keeps no prefix cache."""
