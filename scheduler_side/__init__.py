@@ -3,9 +3,11 @@
 Imports no torch. Public API: `OffloadScheduler`, `BlockPool`, the interfaces it needs from an engine.
 """
 
+from scheduler_side.errors import SchedulerError
 from scheduler_side.interfaces import BlockPoolGpuView, GpuPool, RequestLike, StepRequest
+from scheduler_side.kv_events import KVEvent
 from scheduler_side.pool.block_pool import BlockPool, PoolError
-from scheduler_side.scheduler import KVEvent, OffloadScheduler, SchedulerError
+from scheduler_side.scheduler import OffloadScheduler
 
 __all__ = [
     "BlockPool", "BlockPoolGpuView", "GpuPool", "KVEvent", "OffloadScheduler", "PoolError",

@@ -1,7 +1,6 @@
-"""Transfers coming back: each rank's report completes loads and stores; the in-flight accounting.
+"""`Completions`: transfers coming back (step 4 of the scheduler's step, SPEC §4): each rank's report
+completes loads and stores.
 
-A mixin of `OffloadScheduler` (connector.py), kept apart because it is one idea: what happens when the
-workers report, and the invariants about transfers in flight that `check_integrity` verifies.
 - A report names its rank. A load or store completes once each of the `world_size` ranks reported it
   once; a rank repeating itself, or a late report, is logged and ignored; a rank outside
   `[0, world_size)` or a store event never issued (a negative id included) raises `SchedulerError`.
@@ -9,67 +8,43 @@ workers report, and the invariants about transfers in flight that `check_integri
   `LoadJob` to the CPU blocks whose content is then forgotten.
 - A completed store commits its CPU blocks' reservations (hit-able from now on) and frees them to the
   MRU end; a failed one aborts them and frees them to the LRU end; the GPU sources are released either way.
-- `reset_cache` (vLLM's reset_prefix_cache, sleep) forgets the tier's contents with transfers in flight:
-  they finish, failed or uncached, so nothing from before the call is hit-able after it.
 - A load a rank gave up on at its deadline (`transfer.load_timeout_s`, `expired_load_events`) comes as
   failed whole: its request recomputes now. Its copy may still run, so once the job completes, its GPU
   blocks (one reference of ours each) and its CPU blocks (the job's, content forgotten) are quarantined
-  in `_expired` until every rank that gave up on it reports the copy over (`ended_load_events`): the late
-  copy then reads a slot nobody rewrote and writes the same tokens' KV into blocks no other request got.
-  A copy that never ends keeps its blocks forever, never a request waiting.
+  in `Transfers.expired` until every rank that gave up on it reports the copy over (`ended_load_events`):
+  the late copy then reads a slot nobody rewrote and writes the same tokens' KV into blocks no other
+  request got. A copy that never ends keeps its blocks forever, never a request waiting.
+
+Mutates: `Transfers` (completed load jobs and store events leave it, a finished request's state with its
+load, expired load events come and go), the requests' phase (LOADING -> RUNNING), CPU blocks (committed,
+aborted, uncached, freed), GPU references (released, or taken for a quarantine), the transfer counters of
+`SchedulerStats`, the KV event log, and the remote tier through its narrow `on_report`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from offload_connector.metadata import WorkerReport
 from scheduler_side.errors import SchedulerError
 from scheduler_side.interfaces import GpuPool
+from scheduler_side.kv_events import KVEventLog
 from scheduler_side.policies.store_policy import StorePolicy
 from scheduler_side.pool.block_pool import BlockPool
-from scheduler_side.request_state import LoadJob, Phase, RequestState, StoreEvent
+from scheduler_side.request_state import LoadJob, Phase
 from scheduler_side.stats import SchedulerStats
 from scheduler_side.tiers.remote.tier import RemoteTier
+from scheduler_side.transfers import ExpiredLoad, Transfers
 
 logger = logging.getLogger("scheduler_side.scheduler")
 
 
-@dataclass(slots=True)
-class KVEvent:
-    """A change of the CPU tier's contents, for routers (vLLM's BlockStored/BlockRemoved, medium CPU)."""
-
-    kind: str  # "stored" | "removed"
-    block_hash: bytes  # the cache key (block hash + group id)
-    medium: str = "CPU"  # "CPU": our tier; "REMOTE": the shared server (stored only: it evicts silently)
-
-
-@dataclass(slots=True)
-class ExpiredLoad:
-    """A load event some rank gave up on while its copy may still run."""
-
-    ranks: set[int]  # ranks that gave up on it and have not yet reported its copy over
-    jobs: list[LoadJob]  # its completed jobs: their GPU (ours) and CPU references, held until `ranks` empties
-
-
 class Completions:
-    """The completion half of `OffloadScheduler` (which defines these attributes)."""
-
-    world_size: int
-    emit_kv_events: bool
-    cpu_pool: BlockPool
-    gpu_pool: GpuPool
-    policy: StorePolicy
-    stats: SchedulerStats
-    _requests: dict[str, RequestState]
-    _loads_to_send: list[RequestState]
-    _store_events: dict[int, StoreEvent]
-    _expired: dict[int, ExpiredLoad]  # load event id -> its quarantine (deadline passed, copy may still run)
-    _next_store_event: int
-    _kv_events: list[KVEvent]
-    remote: RemoteTier | None
+    def __init__(self, transfers: Transfers, cpu_pool: BlockPool, gpu_pool: GpuPool, policy: StorePolicy,
+                 stats: SchedulerStats, kv_events: KVEventLog, remote: RemoteTier | None, world_size: int) -> None:
+        self.transfers, self.cpu_pool, self.gpu_pool, self.policy = transfers, cpu_pool, gpu_pool, policy
+        self.stats, self.kv_events, self.remote, self.world_size = stats, kv_events, remote, world_size
 
     def update_connector_output(self, reports: WorkerReport | Iterable[WorkerReport]) -> None:
         """Apply worker reports (any number per rank; each names its rank). A load or store completes once
@@ -102,12 +77,11 @@ class Completions:
                     self.remote is not None:
                 keys = self.remote.on_report(report)  # fetched blocks are now cached like stored ones
                 on_server = self.remote.take_on_server()
-                if self.emit_kv_events:
-                    self._kv_events.extend(KVEvent("stored", key) for key in keys)
-                    self._kv_events.extend(KVEvent("stored", key, "REMOTE") for key in on_server)
+                self.kv_events.stored(keys)
+                self.kv_events.stored(on_server, "REMOTE")
 
     def _on_load_report(self, req_id: str, rank: int, failed_gpu_block_ids: set[int]) -> None:
-        state = self._requests.get(req_id)
+        state = self.transfers.requests.get(req_id)
         job = state.load if state is not None else None
         if state is None or job is None or job.event_id is None:
             logger.warning("ignoring a load completion for request %s with no load in flight", req_id)
@@ -123,13 +97,13 @@ class Completions:
         if len(job.reported_ranks) < self.world_size:
             return
         state.load = None
-        expired = self._expired.get(job.event_id)
+        expired = self.transfers.expired.get(job.event_id)
         if expired is not None:  # a copy may still write its GPU blocks and read its CPU blocks
             self._quarantine(job, expired)
         else:
             self._release_load(job)
         if state.phase is Phase.FINISHED:
-            del self._requests[req_id]
+            del self.transfers.requests[req_id]
         else:
             state.move_to(Phase.RUNNING)
 
@@ -153,9 +127,9 @@ class Completions:
 
     def _on_load_expired(self, event_id: int, rank: int) -> None:
         """A rank gave up on a load event at its deadline (its requests come as failed in the same report)."""
-        expired = self._expired.get(event_id)
+        expired = self.transfers.expired.get(event_id)
         if expired is None:
-            expired = self._expired[event_id] = ExpiredLoad(set(), [])
+            expired = self.transfers.expired[event_id] = ExpiredLoad(set(), [])
             self.stats.num_load_timeouts += 1
         expired.ranks.add(rank)
 
@@ -172,7 +146,7 @@ class Completions:
 
     def _on_expired_load_ended(self, event_id: int, rank: int) -> None:
         """A rank's expired copy is over: when no rank's is left, the quarantined blocks go back."""
-        expired = self._expired.get(event_id)
+        expired = self.transfers.expired.get(event_id)
         if expired is None or rank not in expired.ranks:
             logger.warning("ignoring the end of load event %d from rank %d, which did not give it up", event_id,
                            rank)
@@ -180,22 +154,17 @@ class Completions:
         expired.ranks.discard(rank)
         if expired.ranks:
             return
-        del self._expired[event_id]
+        del self.transfers.expired[event_id]
         for job in expired.jobs:
             self.gpu_pool.free(job.gpu_block_ids)
             self.cpu_pool.free(job.cpu_blocks, front=True)
 
-    @property
-    def num_blocks_in_quarantine(self) -> int:
-        """GPU blocks (and as many CPU blocks) kept out of use now for copies that may still run."""
-        return sum(job.num_blocks for e in self._expired.values() for job in e.jobs)
-
     def _on_store_report(self, event_id: int, failed: bool, rank: int) -> None:
-        event = self._store_events.get(event_id)
+        event = self.transfers.store_events.get(event_id)
         if event is None:
-            if not 0 <= event_id < self._next_store_event:
+            if not 0 <= event_id < self.transfers.next_store_event:
                 raise SchedulerError(f"completion for store event {event_id}, which was never issued "
-                                     f"(issued so far: 0..{self._next_store_event - 1})")
+                                     f"(issued so far: 0..{self.transfers.next_store_event - 1})")
             logger.warning("ignoring a late completion of store event %d (already complete)", event_id)
             return
         if rank in event.reported_ranks:
@@ -205,7 +174,7 @@ class Completions:
         event.reported_ranks.add(rank)
         if len(event.reported_ranks) < self.world_size:
             return
-        del self._store_events[event_id]
+        del self.transfers.store_events[event_id]
         cpu_pool, failed = self.cpu_pool, event.failed
         if failed:
             cpu_pool.abort(event.cpu_blocks)
@@ -213,92 +182,10 @@ class Completions:
             cpu_pool.free(event.cpu_blocks, front=True)
         else:
             keys = cpu_pool.commit(event.cpu_blocks)  # leaves out keys another block cached meanwhile
-            if self.emit_kv_events:
-                self._kv_events.extend(KVEvent("stored", key) for key in keys)
+            self.kv_events.stored(keys)
             self.stats.num_stored_blocks += len(event.cpu_blocks)
             cpu_pool.free(event.cpu_blocks)
         self.gpu_pool.free(event.gpu_block_ids, front=self.policy.gpu_copy_worthless_after_store and not failed)
         frontier = self.policy.on_store_complete(event_id)
         if frontier:  # saved blocks went to the head: the policy restores the GPU's LRU order around them
             self.gpu_pool.move_to_front(frontier)
-
-    def _drop_pending_hit(self, state: RequestState) -> None:
-        if state.pending_hit is not None:
-            self.cpu_pool.free(state.pending_hit.cpu_blocks)
-            state.pending_hit = None
-
-    def reset_cache(self) -> bool:
-        """Forget the CPU tier's contents (vLLM's `reset_prefix_cache(reset_connector=True)`, run by sleep
-        and after weight updates): nothing stored or being stored before the call is hit-able afterwards.
-
-        Every cached entry is dropped (free blocks go to the head of the free queue; a load in flight still
-        reads its blocks, which are then not cached again); pending hits are dropped (their requests look
-        up again); in-flight stores complete as failed (counted in `num_failed_store_blocks`), so their
-        content is never committed. No reference moves except the pending hits'. All that happens either
-        way; False says the store policy still holds GPU blocks it has not issued a store for (stored after
-        this call; vLLM's GPU reset fails then too): call again after a step. Between engine steps only."""
-        if self._loads_to_send:
-            raise SchedulerError(f"reset_cache with {len(self._loads_to_send)} loads not yet sent: called in "
-                                 "the middle of a step (between allocation and build_connector_meta)")
-        for state in self._requests.values():
-            if state.pending_hit is not None:
-                self._drop_pending_hit(state)
-                state.move_to(Phase.NEW)
-        for event in self._store_events.values():
-            event.failed = True
-        if self.remote is not None:
-            self.remote.fail_in_flight()
-        pool = self.cpu_pool
-        for block in list(pool.cached.values()):
-            if not pool.discard(block):  # held by a load in flight: keeps its place, loses its content key
-                pool.uncache(block)
-        return not self.policy.num_held_blocks
-
-    def phase_of(self, request_id: str) -> Phase | None:
-        """The request's lifecycle phase, or None when the connector holds no state for it."""
-        state = self._requests.get(request_id)
-        return None if state is None else state.phase
-
-    def gpu_blocks_being_stored(self) -> set[int]:
-        """GPU blocks an outstanding store event copies from (O(blocks in flight): tests, tools)."""
-        return {i for event in self._store_events.values() for i in event.gpu_block_ids}
-
-    @property
-    def num_inflight_transfers(self) -> int:
-        """Transfers in flight or queued (the engine should keep stepping until this is zero)."""
-        return (len(self._store_events) + sum(1 for s in self._requests.values() if s.load is not None)
-                + self.policy.num_held_blocks + (self.remote.num_events if self.remote is not None else 0)
-                + len(self._expired))
-
-    def has_live_requests(self) -> bool:
-        """Some request is looked up, waiting for its load, or running (O(1))."""
-        return bool(self._requests)
-
-    def is_idle(self) -> bool:
-        if self.remote is not None and self.remote.num_events:
-            return False
-        if self._store_events or self._loads_to_send or self.policy.num_held_blocks or self._expired:
-            return False
-        return all(s.load is None and s.pending_hit is None for s in self._requests.values())
-
-    def check_integrity(self) -> None:
-        """Pool invariants plus: when idle, the connector holds no CPU references at all."""
-        self.cpu_pool.check_integrity()
-        held = {b.block_id for e in self._store_events.values() for b in e.cpu_blocks}
-        if self.remote is not None:
-            held |= self.remote.held_block_ids()
-        held.update(b.block_id for e in self._expired.values() for job in e.jobs for b in job.cpu_blocks)
-        for s in self._requests.values():
-            if (s.pending_hit is not None) != (s.phase is Phase.PENDING_HIT) or (s.load is not None) != (
-                    s.phase in (Phase.LOADING, Phase.FINISHED)):
-                raise SchedulerError(f"request {s.request_id} is {s.phase.value} with pending hit "
-                                     f"{s.pending_hit is not None} and load {s.load is not None} (our bug)")
-            if s.load is not None:
-                held.update(b.block_id for b in s.load.cpu_blocks)
-            if s.pending_hit is not None:
-                held.update(b.block_id for b in s.pending_hit.cpu_blocks)
-        for block in self.cpu_pool.blocks[1:]:
-            if block.ref_cnt > 0 and block.block_id not in held:
-                raise SchedulerError(f"CPU {block} is referenced but no transfer or pending hit holds it")
-        if self.is_idle() and self.cpu_pool.num_held_blocks():
-            raise SchedulerError(f"idle, yet {self.cpu_pool.num_held_blocks()} CPU blocks are still referenced")

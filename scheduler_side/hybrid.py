@@ -1,8 +1,9 @@
-"""The hybrid-model half of `OffloadScheduler` (connector.py): lookups, loads and block lists when the model
-has several KV-cache groups (groups.py: full attention and sliding window).
+"""`HybridGroups`: lookups, loads and block lists when the model has several KV-cache groups (groups.py: full
+attention and sliding window).
 
-A mixin, kept apart because it is one idea and the single-group hot path must not pay for it: the
-scheduler calls these only when `len(groups) > 1`. Per group: its own keys (block hash + its group id),
+A part of the scheduler that exists only when `len(groups) > 1`, so the single-group hot path never pays
+for it: lookups.py, allocations.py and stores.py hand it their request past their common checks. Per
+group: its own keys (block hash + its group id),
 its own block list in the request's state (`RequestState.group_block_ids`, vLLM's per-group lists, the
 null block 0 where vLLM dropped a block outside a window). What is shared: one CPU pool (one CPU block
 holds one GPU block's pages, whatever its group), one load job per request across all groups, and every
@@ -15,6 +16,10 @@ completion, failure and tensor-parallel count (completions.py sees only pairs of
 - Stores (`EagerStorePolicy.on_scheduled_groups`): per group, every completed block vLLM still holds.
 With `eviction: arc`, ARC hears of reuse by group 0's keys (as the admission filter judges content) and
 of no misses from these lookups.
+
+Mutates: the request's `RequestState` (phase, pending hit with its slots, per-group block lists, wait
+counters), one CPU reference per pinned block and per cached block a load takes outside the pin, the
+lookup counters of `SchedulerStats`; tells the store policy of allocations and scheduled requests.
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ from scheduler_side.errors import SchedulerError
 from scheduler_side.groups import NULL_GPU_BLOCK, KVGroup, hybrid_hit_end
 from scheduler_side.interfaces import RequestLike
 from scheduler_side.policies.store_policy import StorePolicy
+from scheduler_side.pool.block import Block
 from scheduler_side.pool.block_pool import BlockPool
-from scheduler_side.pool.free_queue import Block
 from scheduler_side.request_state import PendingHit, Phase, RequestState
 from scheduler_side.stats import SchedulerStats
+from scheduler_side.waits import asks_again_for_load, asks_again_for_store
 
 
 def check_groups_supported(config: OffloadConfig, groups: tuple[KVGroup, ...]) -> None:
@@ -47,18 +53,12 @@ def check_groups_supported(config: OffloadConfig, groups: tuple[KVGroup, ...]) -
 
 
 class HybridGroups:
-    """The several-groups half of `OffloadScheduler` (which defines these attributes; `_asks_again_for_store`
-    and `_asks_again_for_load` are `Lookups`')."""
+    def __init__(self, groups: tuple[KVGroup, ...], block_size: int, cpu_pool: BlockPool, policy: StorePolicy,
+                 stats: SchedulerStats, max_store_wait_steps: int) -> None:
+        self.groups, self.block_size, self.cpu_pool, self.policy = groups, block_size, cpu_pool, policy
+        self.stats, self.max_store_wait_steps = stats, max_store_wait_steps
 
-    config: OffloadConfig
-    block_size: int
-    groups: tuple[KVGroup, ...]
-    cpu_pool: BlockPool
-    policy: StorePolicy
-    stats: SchedulerStats
-
-    def _lookup_groups(self, state: RequestState, request: RequestLike,
-                       num_computed_tokens: int) -> tuple[int | None, bool]:
+    def lookup(self, state: RequestState, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
         """`get_num_new_matched_tokens` past its common checks, for several groups (the GPU hit ends on a
         block boundary). A full-attention group's run stops at its first miss; a block of that run being
         stored makes the request ask again (None), as with one group. O(groups * blocks walked)."""
@@ -73,13 +73,14 @@ class HybridGroups:
             for i in range(first, end):
                 key = hashes[i] + suffix
                 if key not in cached:
-                    if key in reserved and self._asks_again_for_store(state):
+                    if key in reserved and asks_again_for_store(state, self.max_store_wait_steps, self.stats):
                         return None, False
                     end = i
                     break
         found = [[hashes[i] + group_suffix(g.group_id) in cached for i in range(first, end)] for g in self.groups]
         hit_end = hybrid_hit_end(self.groups, found, first, end, bs)
-        if hit_end > first and self._first_block_loading(hashes[first]) and self._asks_again_for_load(state):
+        if hit_end > first and self._first_block_loading(hashes[first]) and asks_again_for_load(
+                state, self.max_store_wait_steps, self.stats):
             return None, False  # another request is loading the hit's first block (lookups.py)
         if not self.policy.may_admit(state, hit_end - first):
             state.num_deferrals += 1
@@ -107,7 +108,7 @@ class HybridGroups:
         return any((block := cached.get(block_hash + group_suffix(g.group_id))) is not None and block.ref_cnt > 0
                    for g in self.groups)
 
-    def _group_load(self, state: RequestState, hit: PendingHit, group_block_ids: Sequence[Sequence[int]],
+    def load(self, state: RequestState, hit: PendingHit, group_block_ids: Sequence[Sequence[int]],
                     n: int) -> tuple[list[int], list[Block], list[Block]]:
         """(GPU ids, CPU blocks) to load for the engine's `n` external blocks, and the pinned CPU blocks the
         load does not use. Every block vLLM allocated in the loaded range (not the null block) must have
@@ -141,7 +142,7 @@ class HybridGroups:
         self.cpu_pool.touch(extra)
         return gpu_ids, cpu_blocks, list(pinned.values())
 
-    def _set_group_blocks(self, state: RequestState, group_block_ids: Sequence[Sequence[int]]) -> None:
+    def set_blocks(self, state: RequestState, group_block_ids: Sequence[Sequence[int]]) -> None:
         """The request's block lists, one per group; `gpu_block_ids` is group 0's (the same list)."""
         if len(group_block_ids) != len(self.groups):
             raise SchedulerError(f"request {state.request_id}: {len(group_block_ids)} block lists for "
@@ -149,13 +150,13 @@ class HybridGroups:
         state.group_block_ids = [list(ids) for ids in group_block_ids]
         state.gpu_block_ids = state.group_block_ids[0]
 
-    def _schedule_groups(self, state: RequestState, new_gpu_block_ids: Sequence[Sequence[int]],
+    def schedule(self, state: RequestState, new_gpu_block_ids: Sequence[Sequence[int]],
                          num_computed_tokens: int, replace_blocks: bool) -> None:
-        """One scheduled request of `build_connector_meta`, several groups: per-group block lists, then
+        """One scheduled request of `build_connector_meta` (stores.py), several groups: per-group block lists, then
         the store policy's picks (blocks vLLM still holds, judged from the tokens computed before)."""
         before = state.num_computed_tokens
         if replace_blocks or state.group_block_ids is None:
-            self._set_group_blocks(state, new_gpu_block_ids)
+            self.set_blocks(state, new_gpu_block_ids)
         else:
             if len(new_gpu_block_ids) != len(self.groups):
                 raise SchedulerError(f"request {state.request_id}: {len(new_gpu_block_ids)} new block lists "

@@ -35,7 +35,7 @@ when known); per admission O(blocks allocated + its GPU hit). Follows store_poli
 from __future__ import annotations
 
 from offload_connector.hashing import with_group_id
-from scheduler_side.policies.store_policy import PolicyView, StorePicks, StorePolicy
+from scheduler_side.policies.store_policy import StorePicks, StorePolicy, StorePolicyView
 from scheduler_side.request_state import LoadJob, RequestState
 
 MAX_DEFERRALS = 4  # lookups a request may be deferred so that its allocation evicts only saved blocks
@@ -46,7 +46,7 @@ ADMIT_WEIGHT = 0.1  # weight of this step's largest admission in their mean
 class LazyStorePolicy(StorePolicy):
     gpu_copy_worthless_after_store = True
 
-    def __init__(self, view: PolicyView) -> None:
+    def __init__(self, view: StorePolicyView) -> None:
         super().__init__(view)
         self._step_alloc = 0  # blocks the engine handed to requests this step
         self._peak_alloc = 0.0  # decaying peak of per-step allocations

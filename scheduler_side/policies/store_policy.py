@@ -1,6 +1,6 @@
 """Which GPU blocks to store to the CPU tier each step: the policy interface and the eager policy.
 
-A policy sees the scheduler through a read-only `PolicyView` and never changes the pools itself: hooks that
+A policy sees the scheduler through a read-only `StorePolicyView` and never changes the pools itself: hooks that
 want a pool changed *return* what to change, and the scheduler applies it. A hook may change only the
 policy's own state and, where its docstring says so, the request's store cursor
 (`RequestState.num_store_checked_blocks`). Call order, per engine step (the scheduler's):
@@ -20,8 +20,8 @@ policy's own state and, where its docstring says so, the request's store cursor
    `pick_stores`, which lists them again in `release_gpu_ids`.
 
 - `EagerStorePolicy` (inclusive tier): every full, hashed block whose KV this step's forward completes,
-  unless it is already cached on the CPU or being stored, or dead (`PolicyView.is_dead`). Cost per step: O(newly completed blocks).
-- `LazyStorePolicy` (lazy_policy.py): blocks near the GPU's eviction frontier only.
+  unless it is already cached on the CPU or being stored, or dead (`StorePolicyView.is_dead`). Cost per step: O(newly completed blocks).
+- `LazyStorePolicy` (lazy.py): blocks near the GPU's eviction frontier only.
 Imports nothing from the scheduler (its types come from request_state and interfaces).
 """
 
@@ -36,7 +36,7 @@ from scheduler_side.groups import KVGroup
 from scheduler_side.request_state import LoadJob, RequestState
 
 
-class PolicyView(Protocol):
+class StorePolicyView(Protocol):
     """What a store policy may read of the scheduler (nothing here changes state)."""
 
     block_size: int
@@ -84,7 +84,7 @@ class StorePicks:
 class StorePolicy:
     gpu_copy_worthless_after_store = False  # a stored block goes to the head of the GPU free queue
 
-    def __init__(self, view: PolicyView) -> None:
+    def __init__(self, view: StorePolicyView) -> None:
         self.view = view
 
     def may_admit(self, state: RequestState, num_cpu_hit_blocks: int) -> bool:
@@ -141,7 +141,7 @@ class StorePolicy:
 
 
 class EagerStorePolicy(StorePolicy):
-    def __init__(self, view: PolicyView) -> None:
+    def __init__(self, view: StorePolicyView) -> None:
         super().__init__(view)
         self._picks = StorePicks()
         self._picked: set[bytes] = set()

@@ -1,4 +1,5 @@
-"""`SchedulerView`: the read-only window a store policy has on the scheduler (store_policy.PolicyView).
+"""`SchedulerStorePolicyView`: the scheduler's implementation of `StorePolicyView` (store_policy.py), the
+read-only window a store policy has on the scheduler.
 
 It reads the CPU pool (cached and reserved keys, free blocks, evictions), the engine's GPU pool (free
 blocks, eviction frontier), the outstanding store events and the admission filter (`is_dead`); it changes nothing and holds no state of
@@ -14,7 +15,7 @@ from scheduler_side.interfaces import GpuPool
 from scheduler_side.pool.block_pool import BlockPool
 
 
-class SchedulerView:
+class SchedulerStorePolicyView:
     def __init__(self, cpu_pool: BlockPool, gpu_pool: GpuPool, store_events: Mapping[int, object], block_size: int,
                  group_id: int, max_blocks_per_step: int | None, lazy_lookahead_blocks: int | None,
                  admission: AdmissionFilter) -> None:

@@ -1,6 +1,8 @@
-"""A pool of KV blocks of one tier with ref counts, an LRU (or ARC) free queue and a prefix-cache map.
+"""A pool of KV blocks of one tier with ref counts, a free queue ordered by an eviction policy and a
+prefix-cache map.
 
-Used for our CPU tier and, in the fake engine, as the engine's GPU pool.
+Used for our CPU tier (`eviction`: a policy from `eviction/registry.py`, e.g. "lru" or "arc") and, in the
+fake engine, as the engine's GPU pool (no `eviction`: one LRU order over every free block, as vLLM's).
 
 Invariants (checked by `check_integrity()`):
 - block 0 is the reserved null block: never handed out, never freed, never in the free queue;
@@ -10,12 +12,12 @@ Invariants (checked by `check_integrity()`):
 - `reserved` maps a hash to the held block its content is being written into (a store in flight): its
   `block_hash` equals the key, it is not hit-able, and it never sits in `cached` too. `commit` turns a
   reservation into a cached entry, `abort` forgets it; the key lives in the pool alone meanwhile;
-- allocation pops the LRU head (with `eviction="arc"`: ARC's choice, see `arc_queue`) and, if the popped
-  block was cached, drops it from `cached` first;
-- with `empty_first` (the CPU tier; always with ARC) no cached block is evicted while an empty block is
-  free: "the head" for a cached block (`free(front=True)`, `demote`) is the eviction end of the cached
-  blocks, behind every empty one (`lru_queue`). Without it (the fake engine's GPU pool) one LRU order holds
-  every free block, as in vLLM.
+- allocation takes the blocks the eviction policy gives up first (`EvictionPolicy.popleft_n`) and, if a
+  taken block was cached, drops it from `cached` first;
+- with an `eviction` policy (the CPU tier: every policy there is `empty_first`) no cached block is evicted
+  while an empty block is free: "the head" for a cached block (`free(front=True)`, `demote`) is the
+  eviction end of the cached blocks, behind every empty one. Without one (the fake engine's GPU pool) one
+  LRU order holds every free block, as in vLLM.
 
 A failed `allocate` changes nothing. Only the owner of a reference may `free` it.
 """
@@ -24,11 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-from scheduler_side.pool.arc_queue import ArcFreeQueue
-from scheduler_side.pool.free_queue import Block, FreeBlockQueue
-from scheduler_side.pool.lru_queue import LruFreeQueue
-
-EVICTION_POLICIES = ("lru", "arc")
+from scheduler_side.pool.block import Block
+from scheduler_side.pool.eviction.base import EvictionPolicy
+from scheduler_side.pool.eviction.registry import eviction_policy
+from scheduler_side.pool.free_queue import FreeBlockQueue
 
 
 class PoolError(RuntimeError):
@@ -37,26 +38,20 @@ class PoolError(RuntimeError):
 
 class BlockPool:
     def __init__(self, num_blocks: int, on_evict: Callable[[bytes, bool], None] | None = None,
-                 eviction: str = "lru", history: int | None = None, empty_first: bool = False) -> None:
-        """`history`: with ARC, how many recently reused keys to remember (default `num_blocks`).
-        `empty_first`: take free empty blocks before any cached one (ARC always does)."""
+                 eviction: str | None = None, history: int | None = None) -> None:
+        """`eviction`: the CPU tier's policy by name (registry.py); None: one LRU order (an engine's GPU
+        pool). `history`: how many keys of content gone from the pool the policy may remember (ARC:
+        recently reused keys; default `num_blocks`)."""
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (one is the null block), got {num_blocks}")
-        if eviction not in EVICTION_POLICIES:
-            raise ValueError(f"unknown eviction {eviction!r}; allowed: {', '.join(EVICTION_POLICIES)}")
+        policy = FreeBlockQueue if eviction is None else eviction_policy(eviction)
         self.num_blocks = num_blocks
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks = [policy.block_type(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # permanently held, so it can never enter the free queue
         self.eviction = eviction
-        self.empty_first = empty_first or eviction == "arc"
-        self.free_queue: FreeBlockQueue | LruFreeQueue | ArcFreeQueue
-        if eviction == "arc":
-            self.free_queue = ArcFreeQueue(self.blocks[1:], history)
-        elif empty_first:
-            self.free_queue = LruFreeQueue(self.blocks[1:])
-        else:
-            self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.free_queue: EvictionPolicy = policy(self.blocks[1:], history)
+        self.empty_first = policy.empty_first
         self.cached: dict[bytes, Block] = {}
         self.reserved: dict[bytes, Block] = {}  # content on its way into a held block (not hit-able yet)
         self.on_evict = on_evict  # (key, evicted) for every cached block dropped; evicted: by allocation (LRU)
@@ -76,7 +71,7 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> Block | None:
         return self.cached.get(block_hash)
 
-    # --- replacement hints (ARC; no-ops under LRU) -----------------------------------------------
+    # --- replacement hints (for policies with `wants_hints`, e.g. ARC; no-ops otherwise) -------------
     def note_reuse(self, block_hash: bytes) -> None:
         """A request hit `block_hash` on either tier."""
         self.free_queue.note_reuse(block_hash, self.cached.get(block_hash))
@@ -87,8 +82,8 @@ class BlockPool:
 
     # --- state changes -------------------------------------------------------------------------
     def allocate(self, num: int) -> list[Block] | None:
-        """Take `num` blocks from the LRU head (ref_cnt 1, no hash), evicting cached ones (with `empty_first`,
-        only once no empty block is left); None if short."""
+        """Take `num` blocks the eviction policy gives up first (ref_cnt 1, no hash), evicting cached ones
+        (with `empty_first`, only once no empty block is left); None, changing nothing, if short."""
         if num > self.free_queue.num_free_blocks:
             return None
         out = self.free_queue.popleft_n(num)
@@ -155,7 +150,7 @@ class BlockPool:
 
     def demote(self, block: Block) -> bool:
         """Move a free cached block to the head of the free queue (evicted first), keeping its content
-        (still hit-able until then). Held blocks are left alone (False). With `empty_first` or ARC: the head
+        (still hit-able until then). Held blocks are left alone (False). With `empty_first`: the head
         of its list, so it still goes after every empty block."""
         if block.ref_cnt != 0:
             return False

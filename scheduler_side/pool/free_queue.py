@@ -1,5 +1,7 @@
 """An O(1) doubly-linked LRU queue of free blocks, threaded through the block objects themselves.
 
+`Block` is re-exported from block.py (its home) for the modules that name it with the queue.
+
 Order: the head is the least recently used block (evicted first), the tail the most recently freed.
 - `popleft()` takes the head (allocation), `remove(block)` unlinks from the middle (a touch on a cached
   block), `append(block)` puts a freed block at the tail, `appendleft(block)` at the head (blocks that
@@ -13,32 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-
-class Block:
-    """A block of one tier. Created once at startup; moved between the free queue and users.
-
-    `ref_cnt` counts holders (requests and in-flight transfers). `block_hash` is the cache key the
-    block's contents answer to, or None. A block with ref_cnt > 0 is never in the free queue.
-    """
-
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next", "seg", "reused")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: bytes | None = None
-        self.prev: Block | None = None
-        self.next: Block | None = None
-        self.seg = 0  # LruFreeQueue, ArcFreeQueue only: which of its lists the block is in (0: held)
-        self.reused = False  # ArcFreeQueue only: the block's content was reused
-
-    def __repr__(self) -> str:
-        h = self.block_hash.hex()[:8] if self.block_hash else None
-        return f"Block(id={self.block_id}, ref_cnt={self.ref_cnt}, hash={h})"
+from scheduler_side.pool.block import Block
+from scheduler_side.pool.eviction.base import EvictionPolicy
 
 
-class FreeBlockQueue:
-    def __init__(self, blocks: list[Block]) -> None:
+class FreeBlockQueue(EvictionPolicy):
+    """One LRU order over every free block, cached or empty (vLLM's GPU free queue: the fake engine's GPU
+    pool, `BlockPool` with no `eviction`); also the list each CPU-tier policy keeps its blocks in."""
+
+    empty_first = False
+
+    def __init__(self, blocks: list[Block], history: int | None = None) -> None:
         self._head = Block(-1)
         self._tail = Block(-2)
         self._head.next, self._tail.prev = self._tail, self._head
@@ -98,11 +85,7 @@ class FreeBlockQueue:
             raise RuntimeError("FreeBlockQueue: broken head sentinel (our bug)")
         self._link_before(block, first)
 
-    # Replacement hooks (ArcFreeQueue uses them; plain LRU ignores them).
-    def note_reuse(self, key: bytes, block: Block | None) -> None: ...
-
-    def note_miss(self, key: bytes, adapt: bool) -> None: ...
-
+    # One order whatever a block holds: content changes move nothing.
     def on_cached(self, block: Block, key: bytes) -> None: ...
 
     def on_uncached(self, block: Block) -> None: ...

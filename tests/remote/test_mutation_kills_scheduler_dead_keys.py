@@ -1,7 +1,7 @@
 """Dead keys (refused by the admission filter: `store: false`, a superseded branch, a closed session) in the
 lazy policy, the ARC queue's refusal of a double remove, and the lookup thread's last round and shutdown:
 behaviours the mutation run found no test for (docs/mutation.md). The lazy policy is driven through a
-stand-in `PolicyView`, so that exactly one thing differs between a live key and a dead one."""
+stand-in `StorePolicyView`, so that exactly one thing differs between a live key and a dead one."""
 
 from __future__ import annotations
 
@@ -13,15 +13,14 @@ from test_mutation_kills_scheduler_remote_lookup import StandInClient, answer, h
 
 from offload_connector.hashing import with_group_id
 from scheduler_side.policies.lazy import LazyStorePolicy
-from scheduler_side.pool.arc_queue import ArcFreeQueue
-from scheduler_side.pool.free_queue import Block
+from scheduler_side.pool.eviction.arc import ArcBlock, ArcEviction
 from scheduler_side.tiers.remote.lookups import BLOCKS_PER_ROUND, RemoteLookups
 
 BS = 4
 
 
 class View:
-    """A `PolicyView` over a hand-made GPU frontier: (gpu id, key) pairs, some keys dead, none saved."""
+    """A `StorePolicyView` over a hand-made GPU frontier: (gpu id, key) pairs, some keys dead, none saved."""
 
     def __init__(self, frontier: list[tuple[int, bytes]], dead: set[bytes], cpu_free: int = 100) -> None:
         self.block_size, self.group_id = BS, 0
@@ -101,8 +100,8 @@ def test_dead_blocks_an_admission_would_evict_do_not_defer_it() -> None:
 
 
 def test_the_arc_queue_refuses_to_remove_a_held_block() -> None:
-    blocks = [Block(i) for i in range(1, 4)]
-    queue = ArcFreeQueue(blocks)
+    blocks = [ArcBlock(i) for i in range(1, 4)]
+    queue = ArcEviction(blocks)
     queue.remove(blocks[0])
     with pytest.raises(RuntimeError, match="not in the free queue"):
         queue.remove(blocks[0])

@@ -112,7 +112,7 @@ class RemoteMachine(SchedulerMachine):
     def retry(self, data, found):
         """Ask again for a waiting request, first answering its open question (found >= 0) if it has one."""
         req = self.waiting[data.draw(st.sampled_from(sorted(self.waiting)))]
-        wait = self.sched._requests[req.request_id].remote
+        wait = self.sched.transfers.requests[req.request_id].remote
         if found >= 0 and wait is not None and wait.ticket in self.lookups.questions:
             self.lookups.answers[wait.ticket] = min(found, self.lookups.questions.pop(wait.ticket))
         self._admit(req, 0)
@@ -147,7 +147,7 @@ class RemoteMachine(SchedulerMachine):
     @precondition(lambda self: self.allow_reset)
     @rule()
     def reset(self):
-        if not self.sched._loads_to_send:
+        if not self.sched.transfers.loads_to_send:
             self.sched.reset_cache()
 
     def teardown(self):

@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from offload_connector.hashing import with_group_id
 from offload_connector.metadata import WorkerReport
 from scheduler_side import BlockPool, StepRequest
-from scheduler_side.pool.arc_queue import EMPTY, HELD, T1, T2
+from scheduler_side.pool.eviction.arc import EMPTY, HELD, T1, T2
 
 
 def key(i: int) -> bytes:
@@ -199,7 +199,7 @@ def test_scheduler_feeds_arc_with_hits_and_misses() -> None:
     pool, q = sched.cpu_pool, sched.cpu_pool.free_queue
 
     def complete_stores() -> None:
-        sched.update_connector_output(WorkerReport(completed_store_events=sorted(sched._store_events)))
+        sched.update_connector_output(WorkerReport(completed_store_events=sorted(sched.transfers.store_events)))
 
     def run(req_id: str, tokens: list[int]) -> FakeRequest:
         """Admit, load if hit, compute, store (eager), finish; our GPU pool keeps no prefix cache."""

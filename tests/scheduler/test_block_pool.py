@@ -156,7 +156,7 @@ def test_integrity_detects_a_broken_reservation():
 
 def cached_pool(num_blocks: int, num_cached: int) -> BlockPool:
     """An empty-first pool whose blocks 1..num_cached hold content, free, least recently used first."""
-    pool = BlockPool(num_blocks, empty_first=True)
+    pool = BlockPool(num_blocks, eviction="lru")
     blocks = pool.allocate(num_cached)
     for block in blocks:
         pool.cache(block, b"h%d" % block.block_id)

@@ -1,7 +1,7 @@
 """The lazy policy saves exactly what the next allocations take (issue 17): an admission's window skips its
 own free GPU hits, the lookahead leaves out what deferrals and prompt chunks already cover, a request still
 allocating its prompt has the rest saved ahead, and a deferral lets a request through blind only the very
-next step. Through the scripted `PolicyView` of test_mutation_kills_scheduler_lazy."""
+next step. Through the scripted `StorePolicyView` of test_mutation_kills_scheduler_lazy."""
 
 from __future__ import annotations
 

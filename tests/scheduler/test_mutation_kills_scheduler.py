@@ -109,7 +109,7 @@ def test_reset_cache_says_false_while_the_lazy_policy_holds_unsaved_blocks():
 def test_arc_hints_use_the_schedulers_group_id():
     from offload_connector.config import load_config
     from scheduler_side import BlockPoolGpuView, OffloadScheduler
-    from scheduler_side.pool.arc_queue import T2
+    from scheduler_side.pool.eviction.arc import T2
 
     group = 3
     gpu = BlockPool(64)
@@ -384,7 +384,7 @@ def test_commit_or_abort_of_a_block_without_a_reservation_is_refused():
 
 
 def test_arc_files_a_committed_store_of_a_recently_reused_key_as_reused():
-    from scheduler_side.pool.arc_queue import T1, T2
+    from scheduler_side.pool.eviction.arc import T1, T2
 
     pool = BlockPool(6, eviction="arc")
     pool.note_reuse(b"hot")  # a GPU hit: the key is reused, its block is not on the CPU
@@ -545,7 +545,7 @@ def test_arc_remembers_reused_keys_of_both_tiers():
     reuses ago, more than the CPU holds) still files its block as reused when it is stored again."""
     from offload_connector.config import load_config
     from scheduler_side import BlockPoolGpuView, OffloadScheduler
-    from scheduler_side.pool.arc_queue import T2
+    from scheduler_side.pool.eviction.arc import T2
 
     sched = OffloadScheduler(load_config({"store_policy": "eager", "num_cpu_blocks": 6, "eviction": "arc"}), BS, 6,
                              BlockPoolGpuView(BlockPool(40)), num_gpu_blocks=40)
@@ -663,7 +663,7 @@ def test_arc_moves_its_target_by_the_ratio_of_the_ghost_lists_at_least_one():
 
 
 def test_arc_remembers_exactly_its_history_of_reused_keys_newest_first():
-    from scheduler_side.pool.arc_queue import T1, T2
+    from scheduler_side.pool.eviction.arc import T1, T2
 
     def seg_when_stored(pool: BlockPool, key: bytes) -> int:
         (block,) = pool.allocate(1)
@@ -703,7 +703,7 @@ def test_arc_keeps_no_more_ghosts_than_it_has_blocks_and_drops_a_ghost_stored_ag
 
 
 def test_caching_a_free_block_files_it_as_seen_once():
-    from scheduler_side.pool.arc_queue import EMPTY, T1
+    from scheduler_side.pool.eviction.arc import EMPTY, T1
 
     pool = BlockPool(4, eviction="arc")
     block = pool.blocks[2]

@@ -1,6 +1,6 @@
 """Scheduler-side rules the fresh mutation run (docs/mutation.md) found unpinned: which blocks the lazy policy
 holds for a finishing request, ARC's one adaptation per lookup, and the store-in-flight answer the lazy
-policy's estimate reads. Through the lazy tests' scripted `PolicyView` or a real scheduler."""
+policy's estimate reads. Through the lazy tests' scripted `StorePolicyView` or a real scheduler."""
 
 from __future__ import annotations
 

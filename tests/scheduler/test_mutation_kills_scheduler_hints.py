@@ -44,9 +44,9 @@ def test_a_load_queued_twice_is_refused() -> None:
     store_and_finish(sched, gpu, FakeRequest("A", list(range(9)), BS))
     b = FakeRequest("B", list(range(9)), BS)
     admit(sched, gpu, b)
-    state = sched._requests["B"]
+    state = sched.transfers.requests["B"]
     sched.build_connector_meta([])
-    sched._loads_to_send.append(state)
+    sched.transfers.loads_to_send.append(state)
     with pytest.raises(SchedulerError, match="without a fresh job"):
         sched.build_connector_meta([])
 

@@ -1,4 +1,4 @@
-"""The lazy store policy's decisions, one rule per test, through a scripted `PolicyView` (mutation testing,
+"""The lazy store policy's decisions, one rule per test, through a scripted `StorePolicyView` (mutation testing,
 docs/mutation.md, found these rules unpinned): when an admission is deferred, how many blocks a step stores,
 how the lookahead follows the recent allocations, and when the CPU tier counts as under pressure."""
 
@@ -17,7 +17,7 @@ BS = 4
 
 @dataclass
 class ScriptedView:
-    """A `PolicyView` whose answers the test sets: the GPU frontier, saved keys, CPU room, evictions."""
+    """A `StorePolicyView` whose answers the test sets: the GPU frontier, saved keys, CPU room, evictions."""
 
     lazy_lookahead_blocks: int | None = 1
     max_blocks_per_step: int | None = None

@@ -425,7 +425,7 @@ def test_integrity_sees_a_phase_that_contradicts_the_transfers():
     sched, gpu, b, ids, meta = b_loading_a_prefix()
     from scheduler_side.request_state import Phase
 
-    sched._requests["B"].phase = Phase.RUNNING  # but its load job is in flight
+    sched.transfers.requests["B"].phase = Phase.RUNNING  # but its load job is in flight
     with pytest.raises(SchedulerError, match="B is running with pending hit False and load True"):
         sched.check_integrity()
 

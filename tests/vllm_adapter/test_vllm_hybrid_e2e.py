@@ -98,8 +98,8 @@ def run(llm_and_warnings: tuple[LLM, list[str]]) -> dict:
 
         def recording_update(request, gpu_block_ids, num_external_tokens):
             update(request, gpu_block_ids, num_external_tokens)
-            job = offload._requests[request.request_id].load
-            if job is not None and offload._hybrid:  # one list per group
+            job = offload.transfers.requests[request.request_id].load
+            if job is not None and offload.hybrid is not None:  # one list per group
                 window, full = (set(ids) for ids in gpu_block_ids)
                 loads.append((len(full & set(job.gpu_block_ids)), len(window & set(job.gpu_block_ids))))
 

@@ -177,7 +177,7 @@ def test_abort_while_loading_frees_every_group(mode: str) -> None:
     for _ in range(3):
         sim.step()
         assert all(pool.blocks[i].ref_cnt > 0 for i in loading)  # still loading: held in both groups
-    assert sim.connector.offload._requests["B"].load.holds_gpu
+    assert sim.connector.offload.transfers.requests["B"].load.holds_gpu
     sim.hold_loads = False
     sim.run_until_idle()
     sim.assert_no_leaks()

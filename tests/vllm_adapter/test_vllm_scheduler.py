@@ -94,7 +94,7 @@ def test_abort_while_waiting_for_load(mode: str) -> None:
     sim.add("B", prefix + tokens(13, 16))
     sim.step()
     assert sim.loads[-1] == ["B"]
-    load_gpu_blocks = sim.connector.offload._requests["B"].load.gpu_block_ids
+    load_gpu_blocks = sim.connector.offload.transfers.requests["B"].load.gpu_block_ids
     # 2. The client aborts B while its load is in flight: the target GPU blocks stay referenced.
     sim.sched.finish_requests("B", RequestStatus.FINISHED_ABORTED)
     sim.step()

@@ -1,6 +1,6 @@
 """An O(1) free queue with ARC replacement (Megiddo & Modha, FAST 2003) for the CPU tier (`eviction: arc`).
 
-Same interface as `FreeBlockQueue`, so `BlockPool` uses either. Free blocks live in three LRU lists:
+An `EvictionPolicy` (base.py). Free blocks live in three LRU lists:
 - `empty`: blocks holding nothing hit-able; always taken first;
 - `t1`: cached blocks seen once (stored, never reused while we knew of them);
 - `t2`: cached blocks reused: hit on the GPU or the CPU, or wanted again soon after leaving the CPU.
@@ -13,7 +13,8 @@ spare `p` grows until the tier behaves like plain LRU.
 
 `recent` is a bounded LRU set of keys reused lately whose blocks are not necessarily on the CPU (a GPU hit,
 a ghost hit, a CPU hit whose copy was then dropped): a block cached under such a key goes to `t2`.
-Which list a free block is in is `Block.seg` (0 when held); only this class sets it.
+Per block (`ArcBlock`, the blocks an ARC pool is made of): which list it is in, `seg` (0 when held), and
+whether its content was reused, `reused`; only this class sets them.
 """
 
 from __future__ import annotations
@@ -22,13 +23,29 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from scheduler_side.pool.free_queue import Block, FreeBlockQueue
+from scheduler_side.pool.block import Block
+from scheduler_side.pool.eviction.base import EvictionPolicy
+from scheduler_side.pool.free_queue import FreeBlockQueue
 
 HELD, EMPTY, T1, T2 = 0, 1, 2, 3
 
 
-class ArcFreeQueue:
-    def __init__(self, blocks: list[Block], history: int | None = None) -> None:
+class ArcBlock(Block):
+    """A block of an ARC pool: the list it is in (`seg`, HELD: none), and whether its content was reused."""
+
+    __slots__ = ("seg", "reused")
+
+    def __init__(self, block_id: int) -> None:
+        super().__init__(block_id)
+        self.seg = HELD
+        self.reused = False
+
+
+class ArcEviction(EvictionPolicy):
+    block_type = ArcBlock
+    wants_hints = True
+
+    def __init__(self, blocks: list[ArcBlock], history: int | None = None) -> None:
         self.capacity = max(1, len(blocks))
         self._lists = (None, FreeBlockQueue([]), FreeBlockQueue([]), FreeBlockQueue([]))
         self.empty, self.t1, self.t2 = self._lists[EMPTY], self._lists[T1], self._lists[T2]
@@ -40,7 +57,7 @@ class ArcFreeQueue:
         for block in blocks:
             self.append(block)
 
-    # --- FreeBlockQueue interface -----------------------------------------------------------------
+    # --- EvictionPolicy interface ------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return self.empty.num_free_blocks + self.t1.num_free_blocks + self.t2.num_free_blocks
@@ -48,13 +65,13 @@ class ArcFreeQueue:
     def __len__(self) -> int:
         return self.num_free_blocks
 
-    def popleft(self) -> Block:
+    def popleft(self) -> ArcBlock:
         if self.empty.num_free_blocks:
             block = self.empty.popleft()
         else:
             t1, t2 = self.t1.num_free_blocks, self.t2.num_free_blocks
             if not t1 and not t2:
-                raise RuntimeError("ArcFreeQueue.popleft on an empty queue (caller must check len first)")
+                raise RuntimeError("ArcEviction.popleft on an empty queue (caller must check len first)")
             if t1 and (t1 > self.p or not t2):
                 block = self.t1.popleft()
                 self._ghost(self.b1, block.block_hash)
@@ -64,10 +81,10 @@ class ArcFreeQueue:
         block.seg = HELD
         return block
 
-    def popleft_n(self, n: int) -> list[Block]:
+    def popleft_n(self, n: int) -> list[ArcBlock]:
         """`n` blocks, as `n` calls of `popleft` would take them, moved in at most four runs."""
         if n > self.num_free_blocks:
-            raise RuntimeError(f"ArcFreeQueue.popleft_n({n}) with {self.num_free_blocks} free (caller must check)")
+            raise RuntimeError(f"ArcEviction.popleft_n({n}) with {self.num_free_blocks} free (caller must check)")
         out = self.empty.popleft_n(min(n, self.empty.num_free_blocks))
         n -= len(out)
         if n:
@@ -86,18 +103,18 @@ class ArcFreeQueue:
             block.seg = HELD
         return out
 
-    def append(self, block: Block) -> None:
+    def append(self, block: ArcBlock) -> None:
         seg = self._segment(block)
         self._lists[seg].append(block)
         block.seg = seg
 
-    def appendleft(self, block: Block) -> None:
+    def appendleft(self, block: ArcBlock) -> None:
         seg = self._segment(block)
         self._lists[seg].appendleft(block)
         block.seg = seg
 
-    def append_n(self, blocks: list[Block]) -> None:
-        runs: tuple[list[Block], list[Block], list[Block], list[Block]] = ([], [], [], [])
+    def append_n(self, blocks: list[ArcBlock]) -> None:
+        runs: tuple[list[ArcBlock], list[ArcBlock], list[ArcBlock], list[ArcBlock]] = ([], [], [], [])
         for block in blocks:
             seg = self._segment(block)
             block.seg = seg
@@ -106,25 +123,25 @@ class ArcFreeQueue:
             if runs[seg]:
                 self._lists[seg].append_n(runs[seg])
 
-    def prepend_n(self, blocks: list[Block]) -> None:
+    def prepend_n(self, blocks: list[ArcBlock]) -> None:
         for block in reversed(blocks):
             self.appendleft(block)
 
-    def remove(self, block: Block) -> None:
+    def remove(self, block: ArcBlock) -> None:
         lst = self._lists[block.seg] if block.seg != HELD else None
         if lst is None:
-            raise RuntimeError(f"ArcFreeQueue.remove: {block} is not in the free queue (our bug)")
+            raise RuntimeError(f"ArcEviction.remove: {block} is not in the free queue (our bug)")
         lst.remove(block)
         block.seg = HELD
 
-    def __iter__(self) -> Iterator[Block]:
+    def __iter__(self) -> Iterator[ArcBlock]:
         """Every free block: empty ones, then seen-once, then reused (each list head first)."""
         yield from self.empty
         yield from self.t1
         yield from self.t2
 
     # --- ARC bookkeeping --------------------------------------------------------------------------
-    def note_reuse(self, key: bytes, block: Block | None) -> None:
+    def note_reuse(self, key: bytes, block: ArcBlock | None) -> None:
         """`key` was used again (a hit on either tier). Its CPU block, if any, moves to `t2`."""
         self._remember(key)
         if block is None:
@@ -150,7 +167,7 @@ class ArcFreeQueue:
             return
         self._remember(key)
 
-    def on_cached(self, block: Block, key: bytes) -> None:
+    def on_cached(self, block: ArcBlock, key: bytes) -> None:
         """`block` now holds `key` (normally held: stores cache blocks before releasing them). A ghost of the
         key is dropped without counting as reuse: a lazy tier stores a block again when the GPU frees it
         again, which says nothing of requests (those count at lookup and allocation)."""
@@ -161,13 +178,13 @@ class ArcFreeQueue:
             self.remove(block)
             self.append(block)
 
-    def on_uncached(self, block: Block) -> None:
+    def on_uncached(self, block: ArcBlock) -> None:
         block.reused = False
         if block.seg in (T1, T2):
             self.remove(block)
             self.append(block)
 
-    def _segment(self, block: Block) -> int:
+    def _segment(self, block: ArcBlock) -> int:
         if block.block_hash is None:
             return EMPTY
         return T2 if block.reused else T1

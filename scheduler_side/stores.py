@@ -1,0 +1,109 @@
+"""`Stores`: step 3's stores (SPEC §4): the scheduled requests go to the store policy, whose picks become
+this step's store event.
+
+`schedule` updates each scheduled request's GPU blocks and computed tokens and tells the policy
+(`on_blocks_allocated`, `on_scheduled`; several KV-cache groups: hybrid.py). `emit` asks the policy for its
+picks once, makes the CPU copies it names most recently used, takes CPU blocks for the stores (first the
+slots this step's loads read, when the policy lends them, then free ones through the scheduler's
+`allocate_cpu`, evicting), reserves their keys, issues the store event, lets go of the GPU blocks the policy
+held for it, and tells the policy what was stored. A store the CPU tier has no room for is skipped
+(`num_store_skipped_blocks`). O(scheduled requests + blocks picked) per step.
+
+Mutates: scheduled requests' `RequestState` (blocks, computed tokens; the policy its store cursor),
+`Transfers.store_events` (a new event holds one reference on each of its GPU and CPU blocks), CPU blocks
+(taken, reserved, slots lent by loads: `LoadJob.lent`), GPU references (the event's; the policy's holds
+released), the store counters of `SchedulerStats`, and the metadata's store fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from itertools import islice
+
+from offload_connector.metadata import TransferMetadata
+from scheduler_side.hybrid import HybridGroups
+from scheduler_side.interfaces import GpuPool, StepRequest
+from scheduler_side.policies.store_policy import StorePolicy
+from scheduler_side.pool.block import Block
+from scheduler_side.pool.block_pool import BlockPool
+from scheduler_side.request_state import LoadJob, StoreEvent
+from scheduler_side.stats import SchedulerStats
+from scheduler_side.tiers.remote.tier import RemoteTier
+from scheduler_side.transfers import Transfers
+
+
+class Stores:
+    def __init__(self, transfers: Transfers, cpu_pool: BlockPool, gpu_pool: GpuPool, policy: StorePolicy,
+                 stats: SchedulerStats, hybrid: HybridGroups | None, allocate_cpu: Callable[[int], list[Block]],
+                 remote: RemoteTier | None, remote_writes_on_store: bool) -> None:
+        self.transfers, self.cpu_pool, self.gpu_pool, self.policy = transfers, cpu_pool, gpu_pool, policy
+        self.stats, self.hybrid, self.allocate_cpu = stats, hybrid, allocate_cpu
+        self.remote, self.remote_writes_on_store = remote, remote_writes_on_store  # (config remote.write)
+
+    def schedule(self, scheduled: Iterable[StepRequest]) -> None:
+        """This step's scheduled requests: their new blocks and computed tokens, told to the policy."""
+        requests, on_scheduled, on_alloc = self.transfers.requests, self.policy.on_scheduled, self.policy.on_blocks_allocated
+        if self.hybrid is not None:  # new_gpu_block_ids: one list per group
+            for req_id, new_gpu_block_ids, num_computed_tokens, replace_blocks in scheduled:
+                state = requests.get(req_id)
+                if state is not None:
+                    self.hybrid.schedule(state, new_gpu_block_ids, num_computed_tokens, replace_blocks)
+            return
+        for req_id, new_gpu_block_ids, num_computed_tokens, replace_blocks in scheduled:
+            state = requests.get(req_id)
+            if state is None:
+                continue  # the engine schedules requests the connector never saw (e.g. no lookup)
+            if replace_blocks:
+                state.gpu_block_ids = list(new_gpu_block_ids)
+            else:
+                state.gpu_block_ids.extend(new_gpu_block_ids)
+                if new_gpu_block_ids:
+                    on_alloc(len(new_gpu_block_ids))
+            state.num_computed_tokens = num_computed_tokens
+            on_scheduled(state, num_computed_tokens)
+
+    def emit(self, meta: TransferMetadata, loaded: Sequence[LoadJob]) -> None:
+        """The policy's picks as this step's store event in `meta` (`loaded`: this step's load jobs)."""
+        picks = self.policy.pick_stores()
+        if picks.refresh_keys:  # (a reserved key has no copy to move yet)
+            self.cpu_pool.make_recent([b for b in map(self.cpu_pool.cached.get, picks.refresh_keys) if b is not None])
+        event = self._emit_store(meta, picks.gpu_ids, picks.keys, loaded) if picks.gpu_ids else None
+        if picks.release_gpu_ids:  # blocks the policy held for this event (which took its own references)
+            self.gpu_pool.free(picks.release_gpu_ids)
+        self.policy.on_stores_emitted(*((event.event_id, event.gpu_block_ids) if event else (None, [])))
+
+    def _emit_store(self, meta: TransferMetadata, gpu_ids: list[int], keys: list[bytes],
+                    loaded: Sequence[LoadJob] = ()) -> StoreEvent | None:
+        cpu_blocks = self._reuse_load_slots(loaded, len(gpu_ids)) if loaded else []
+        meta.store_after_load = bool(cpu_blocks)
+        cpu_blocks += self.allocate_cpu(len(gpu_ids) - len(cpu_blocks))
+        if len(cpu_blocks) < len(gpu_ids):
+            self.stats.num_store_skipped_blocks += len(gpu_ids) - len(cpu_blocks)
+            gpu_ids, keys = gpu_ids[:len(cpu_blocks)], keys[:len(cpu_blocks)]
+        if not gpu_ids:
+            return None
+        self.gpu_pool.touch(gpu_ids)
+        self.cpu_pool.reserve(cpu_blocks, keys)  # hit-able only once every rank has copied its shard
+        event = self.transfers.issue_store_event(gpu_ids, cpu_blocks)
+        meta.store_event = event.event_id
+        meta.store_gpu_blocks = gpu_ids
+        meta.store_cpu_blocks = [b.block_id for b in cpu_blocks]
+        if self.remote_writes_on_store and self.remote is not None and self.remote.enabled:
+            meta.store_keys = keys  # written to the remote tier once the store completed
+        return event
+
+    def _reuse_load_slots(self, loaded: Sequence[LoadJob], num: int) -> list[Block]:
+        """Up to `num` CPU blocks that this step's loads read and nobody else holds, emptied for the store
+        (held: one reference each for the store, the job keeping its own), when the policy lends them.
+        The worker writes the store after the load read them (`store_after_load`). O(blocks taken)."""
+        if not self.policy.lends_load_slots():
+            return []
+        pool, out = self.cpu_pool, []
+        alone = ((job, block) for job in loaded for block in job.cpu_blocks if block.ref_cnt == 1)  # the job's ref
+        for job, block in islice(alone, num):
+            pool.uncache(block)
+            job.lent.add(block.block_id)
+            out.append(block)
+        pool.touch(out)
+        self.stats.num_reused_load_slots += len(out)
+        return out
