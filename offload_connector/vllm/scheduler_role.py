@@ -61,7 +61,7 @@ class SchedulerRole:
         self._stats_tracker = StatsTracker()
         self._bytes_per_block_all_ranks = shape.bytes_per_block * shape.world_size
         self._drafted: set[str] = set()  # requests with draft tokens in the last step (speculative decoding)
-        kv_events = getattr(vllm_config, "kv_events_config", None)
+        kv_events = vllm_config.kv_events_config
         self.emit_kv_events = bool(kv_events is not None and kv_events.enable_kv_cache_events)
         self.scheduler.emit_kv_events = self.emit_kv_events
 
