@@ -114,8 +114,7 @@ def startup_line(role: str, extra: Any, config: Any, backend: str, capacity: Cap
 
 def _backend_in_this_process(requested: str) -> str:
     """What `transfer.backend` resolves to in this process (the workers resolve it the same way)."""
-    from worker_side.backends.select import resolve_backend_name
-    from worker_side.errors import BackendError
+    from worker_side import BackendError, resolve_backend_name
 
     try:
         return resolve_backend_name(requested)
