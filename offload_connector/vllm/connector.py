@@ -145,7 +145,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         check_host_memory(self.config, self.capacity, ranks_on_host(vllm_config.parallel_config),
                           mem_available_bytes())
         remote = None
-        if self.config.remote is not None:  # the shared tier (remote_config.py); off by default
+        if self.config.remote is not None:  # the shared tier (offload_connector/remote/config.py); off by default
             from offload_connector.vllm.remote_identity import vllm_remote_identity
 
             remote = vllm_remote_identity(vllm_config, kv_cache_config, self.shape)

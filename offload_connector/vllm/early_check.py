@@ -1,4 +1,4 @@
-"""What the vLLM plugin checks before the engine starts (`vllm_plugin.py` calls these around vLLM's
+"""What the vLLM plugin checks before the engine starts (plugin.py calls these around vLLM's
 `EngineArgs.create_engine_config`), so that a mistake costs a second and one line, not an engine start-up:
 
 - `check_engine_args(engine_args)`, before vLLM builds its config: vLLM's own CPU offload flags
