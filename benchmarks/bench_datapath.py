@@ -173,7 +173,7 @@ def bench_cuda_sim_policy(reps: int, seed: int, policy: str) -> dict:
                         worker.get_finished()
                     host_us[n] = max(host_us[n], best * 1e6)
                     backend_us[n] = max(backend_us[n], best_backend * 1e6)
-        per_layout[layout] = {"copy_calls_per_job": layout_calls, "planes": backend._geometry["store"].num_planes,
+        per_layout[layout] = {"copy_calls_per_job": layout_calls, "planes": backend.paths.geometry["store"].num_planes,
                               "jobs_by_path": {k: v for k, v in backend.num_jobs_by_path.items() if v}}
         calls = max(calls, layout_calls)
         worker.shutdown()

@@ -90,7 +90,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     hash_algo: Literal["xxh3_128", "sha256"] = "xxh3_128"
     metrics: bool = True
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
-    remote: RemoteConfig | None = None  # a shared tier under the CPU tier (remote_config.py); None: off
+    remote: RemoteConfig | None = None  # a shared tier under the CPU tier (remote/config.py); None: off
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE | re.ASCII)

@@ -12,7 +12,7 @@ Direction words: *store* is GPU->CPU, *load* is CPU->GPU (never swap/spill/fetch
   blocks hold KV that this step's forward has completed once it has run. With `store_after_load`, some of
   `store_cpu_blocks` are among `load_cpu_blocks` (a loaded block's slot handed to a store): the worker
   starts the store only after this step's load has read them.
-  With the remote tier (remote_config.py): `fetch_cpu_blocks[i]` receives the block whose cache key is
+  With the remote tier (remote/config.py): `fetch_cpu_blocks[i]` receives the block whose cache key is
   `fetch_keys[i]` from the server (all of a step's fetches form one fetch event), and `store_keys[i]` is
   the cache key of `store_cpu_blocks[i]`, written to the server once the store completed (`write: on_store`);
   `write_cpu_blocks[i]`, evicted this step, holds `write_keys[i]` until this step's copies and fetches

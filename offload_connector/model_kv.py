@@ -14,7 +14,7 @@ before tensor parallelism), head sizes, the KV dtype and, for hybrid models, eac
   (vLLM's `_get_kv_cache_groups_uniform_page_size`).
 
 Built from a Hugging Face `config.json` (`from_hf_config`, for `offload-connector check`) or from vLLM's
-`ModelConfig` (`vllm_setup.model_kv_of`, for the start-up check). Either way it is the model's config, not
+`ModelConfig` (`offload_connector.vllm.early_check.model_kv_of`, for the start-up check). Either way it is the model's config, not
 vLLM's KV spec: backends that pad pages (fp8 MLA kernels) or raise the block size make real blocks larger,
 never smaller, so a tier refused as too small here is too small under vLLM too; the connector re-checks
 with vLLM's exact spec at start-up. Imports nothing from the project.

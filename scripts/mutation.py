@@ -4,7 +4,7 @@
     python scripts/mutation.py worker            # one target (worker | cudasim | scheduler), fresh
     python scripts/mutation.py worker --again    # after adding tests: rerun only what was not killed
     python scripts/mutation.py worker --report   # print the last run's score and survivors again
-    python scripts/mutation.py cudasim --only 'worker_side.backends.cuda.backend.*_fence*'   # just these mutants
+    python scripts/mutation.py cudasim --only 'worker_side.backends.cuda.fences.*'   # just these mutants
 
 A *target* is a set of files to mutate and the fast tests that may kill them; mutmut then runs, for each
 mutant, only the selected tests that call the mutated function. The targets:
@@ -13,7 +13,7 @@ mutant, only the selected tests that call the mutated function. The targets:
   the first chunk of each randomized replay test only: the others repeat it with more seeds);
 - `scheduler`: all of scheduler_side/.
 Never mutated: worker_side/backends/cuda/runtime.py (the real CUDA runtime: no test reaches it without a GPU) and the
-test doubles (cuda_sim.py, sim_streams.py, faults.py).
+test doubles (cuda_sim.py, sim_memory.py, sim_streams.py, faults.py).
 
 mutmut works in ./mutants/; each target's results are kept in ./mutants-TARGET/ between runs (renamed to
 mutants/ while it runs; `mutmut show NAME` needs that name too). A run ends with the score:

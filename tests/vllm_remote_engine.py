@@ -23,6 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 
+from offload_connector.vllm.compat import in_process_connector  # noqa: E402
+
 MODEL_DIR = str(Path(__file__).parent / "tiny_llama")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
 
@@ -46,7 +48,7 @@ def main() -> None:
     if kv is not None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-        connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+        connector = in_process_connector(llm)
         worker = get_kv_transfer_group().worker
         if args.get("flush"):
             llm.generate([{"prompt_token_ids": [7] * 40}], GREEDY, use_tqdm=False)  # steps that report the stores

@@ -42,8 +42,8 @@ from offload_connector.config import ConfigError, EngineConfig
 from offload_connector.fake_engine import kv_pattern
 from offload_connector.fake_engine.expected_kv import ExpectedKV, TokenRuns
 from offload_connector.fake_engine.request import EngineRequest
+from offload_connector.sizing import mem_available_bytes
 from scheduler_side.groups import KVGroup
-from worker_side.host_pool import mem_available_bytes
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}

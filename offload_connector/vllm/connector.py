@@ -6,14 +6,14 @@ Enable with (SPEC §6):
         "kv_connector_extra_config":{"config_file":"offload.yaml"}}'
 
 One instance per role, holding exactly one role object, as vLLM's own connectors do:
-- scheduler role: `connector_scheduler`, a `SchedulerRole` (vllm_scheduler_role.py): an `OffloadScheduler`
+- scheduler role: `connector_scheduler`, a `SchedulerRole` (scheduler_role.py): an `OffloadScheduler`
   (CPU pool, per-request state) borrowing vLLM's GPU `BlockPool` through `VllmGpuPool`;
-- worker role: `connector_worker`, a `WorkerRole` (vllm_worker_role.py): an `OffloadWorker` (host pool,
+- worker role: `connector_worker`, a `WorkerRole` (worker_role.py): an `OffloadWorker` (host pool,
   copies) and the rank's per-step report.
 The other attribute is None, and only the module of the role in use is imported. The two roles talk
 only through `OffloadConnectorMetadata` (scheduler -> workers, each step) and `OffloadWorkerMetadata`
 (each rank's encoded `WorkerReport`, workers -> scheduler, aggregated by vLLM), both in
-`vllm_messages.py`. This class keeps what both roles share: the resolved config, the KV-cache shape and
+messages.py. This class keeps what both roles share: the resolved config, the KV-cache shape and
 the CPU block count.
 
 Hybrid models: the class declares vLLM's `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on and
@@ -68,12 +68,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from offload_connector.metadata import TransferMetadata
 from offload_connector.remote.config import redact, remote_urls
 from offload_connector.sizing import Capacity, check_host_memory, mem_available_bytes
+from offload_connector.vllm.compat import check_vllm_version
 from offload_connector.vllm.early_check import ranks_on_host
 from offload_connector.vllm.engine_setup import (
     KVCacheShape,
     adopt_vllm_logging,
     check_groups_config,
-    check_vllm_version,
     describe_config_source,
     describe_kv_cache,
     resolve_config,
@@ -114,8 +114,7 @@ def startup_line(role: str, extra: Any, config: Any, backend: str, capacity: Cap
 
 def _backend_in_this_process(requested: str) -> str:
     """What `transfer.backend` resolves to in this process (the workers resolve it the same way)."""
-    from worker_side.backends.select import resolve_backend_name
-    from worker_side.errors import BackendError
+    from worker_side import BackendError, resolve_backend_name
 
     try:
         return resolve_backend_name(requested)
@@ -133,10 +132,11 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         check_vllm_version()  # first: on another vLLM even the base class may fail in obscure ways
         super().__init__(vllm_config, role, kv_cache_config)
         adopt_vllm_logging()  # our start-up line and warnings reach vLLM's log, formatted as vLLM's
-        self.config = resolve_config(self._kv_transfer_config.kv_connector_extra_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.config = resolve_config(extra)
         self.shape: KVCacheShape = describe_kv_cache(vllm_config, kv_cache_config)
         if len(self.shape.groups) > 1:  # a hybrid model: an unset store_policy means eager here
-            self.config = resolve_config(self._kv_transfer_config.kv_connector_extra_config, len(self.shape.groups))
+            self.config = resolve_config(extra, len(self.shape.groups))
         check_groups_config(self.config, self.shape)  # a hybrid model: eager stores, no remote tier
         self.capacity = self.shape.capacity(self.config)  # raises for fewer than 2 blocks per rank
         self.num_cpu_blocks = self.capacity.num_cpu_blocks  # the null block included
@@ -145,7 +145,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         check_host_memory(self.config, self.capacity, ranks_on_host(vllm_config.parallel_config),
                           mem_available_bytes())
         remote = None
-        if self.config.remote is not None:  # the shared tier (remote_config.py); off by default
+        if self.config.remote is not None:  # the shared tier (offload_connector/remote/config.py); off by default
             from offload_connector.vllm.remote_identity import vllm_remote_identity
 
             remote = vllm_remote_identity(vllm_config, kv_cache_config, self.shape)
@@ -162,8 +162,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
             self.connector_worker = WorkerRole(self.config, self.shape, self.num_cpu_blocks, remote)
             backend = self.connector_worker.worker.backend.name
-        logger.info("%s", startup_line(role.name, self._kv_transfer_config.kv_connector_extra_config, self.config,
-                                       backend, self.capacity))
+        logger.info("%s", startup_line(role.name, extra, self.config, backend, self.capacity))
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -172,7 +171,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         vLLM calls this while it builds its `VllmConfig` (on GPUs, when CUDA graphs are on): the earliest
         hook that hands a connector its config. A bad config raises `ConfigError` here, before the engine
         core, the model or any cache exists (pydantic wraps it in a `ValidationError`; the plugin's check
-        in vllm_plugin.py re-raises ours, and covers the set-ups where vLLM does not call this)."""
+        in plugin.py re-raises ours, and covers the set-ups where vLLM does not call this)."""
         resolve_config(extra_config)  # parse only, allocates nothing
         return False
 

@@ -1,4 +1,4 @@
-"""What the vLLM plugin checks before the engine starts (`vllm_plugin.py` calls these around vLLM's
+"""What the vLLM plugin checks before the engine starts (plugin.py calls these around vLLM's
 `EngineArgs.create_engine_config`), so that a mistake costs a second and one line, not an engine start-up:
 
 - `check_engine_args(engine_args)`, before vLLM builds its config: vLLM's own CPU offload flags
@@ -22,7 +22,9 @@ from typing import Any
 from offload_connector.config import OffloadConfig
 from offload_connector.model_kv import DTYPE_BYTES, ModelConfigError, ModelKV
 from offload_connector.sizing import capacity, check_host_memory
-from offload_connector.vllm.engine_setup import UnsupportedSetupError, resolve_config
+from offload_connector.vllm.compat import hybrid_manager_on, registered_module_path
+from offload_connector.vllm.engine_setup import resolve_config
+from offload_connector.vllm.errors import UnsupportedSetupError
 
 logger = logging.getLogger(__name__)
 
@@ -35,20 +37,13 @@ def selects_ours(kv_connector: Any, module_path: Any) -> bool:
     short name while vLLM's registry maps it to our module (the plugin registered it)."""
     if module_path:
         return module_path == MODULE_PATH
-    if kv_connector != CONNECTOR_NAME:
-        return False
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    loader = getattr(KVConnectorFactory, "_registry", {}).get(CONNECTOR_NAME)
-    closure = getattr(loader, "__closure__", None) or ()
-    return any(getattr(cell, "cell_contents", None) == MODULE_PATH for cell in closure)
+    return kv_connector == CONNECTOR_NAME and registered_module_path(CONNECTOR_NAME) == MODULE_PATH
 
 
 def _our_extra_configs(ktc: Any) -> list[tuple[str, Any, bool]]:
     """(how ours is named, its kv_connector_extra_config, selected directly) for our connector selected
     directly or as a child of vLLM's `MultiConnector` (read from the raw `connectors` list)."""
-    name, path = getattr(ktc, "kv_connector", None), getattr(ktc, "kv_connector_module_path", None)
-    extra = getattr(ktc, "kv_connector_extra_config", None) or {}
+    name, path, extra = ktc.kv_connector, ktc.kv_connector_module_path, ktc.kv_connector_extra_config or {}
     if selects_ours(name, path):
         return [(f"{name!r}" + (f" ({path})" if path else ""), extra, True)]
     children = extra.get("connectors") if name == "MultiConnector" and isinstance(extra, Mapping) else None
@@ -64,14 +59,13 @@ def _our_extra_configs(ktc: Any) -> list[tuple[str, Any, bool]]:
 def check_engine_args(engine_args: Any) -> None:
     """Before vLLM builds its config: refuse vLLM's offload flags beside our connector; parse our config
     when our connector is selected directly. Nothing to do when our connector is not selected."""
-    ktc = getattr(engine_args, "kv_transfer_config", None)
+    ktc = engine_args.kv_transfer_config
     if ktc is None:
         return
     ours = _our_extra_configs(ktc)
     if not ours:
         return
-    size = getattr(engine_args, "kv_offloading_size", None)
-    backend = getattr(engine_args, "kv_offloading_backend", "native")
+    size, backend = engine_args.kv_offloading_size, engine_args.kv_offloading_backend
     if size is not None or backend not in (None, "native"):
         raise UnsupportedSetupError(
             f"OffloadConnector: vLLM's kv_offloading_size={size!r} (kv_offloading_backend={backend!r}) "
@@ -99,18 +93,18 @@ def model_kv_of(vllm_config: Any) -> ModelKV:
     """The model's KV shape from vLLM's `ModelConfig` (the way vLLM's attention layers size their specs);
     raises `ModelConfigError` for models whose KV cache it cannot describe (attention-free, Mamba)."""
     model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    if getattr(model, "is_attention_free", False):
-        raise ModelConfigError("architectures", getattr(model, "architectures", None), "a model with attention layers")
+    if model.is_attention_free:
+        raise ModelConfigError("architectures", model.architectures, "a model with attention layers")
     num_layers = int(model.get_num_layers_by_block_type(parallel, "attention"))
     if num_layers < 1:
         raise ModelConfigError("num_hidden_layers", num_layers, "a model with attention layers")
-    mla = bool(getattr(model, "use_mla", False))
+    mla = bool(model.use_mla)
     head_size = int(model.get_head_size())
     dtype = _kv_dtype(cache.cache_dtype, model.dtype)
-    text = model.hf_text_config
+    text = model.hf_text_config  # the model's own config: which fields it has depends on the model
     windows: tuple[int | None, ...] = ()
     window = getattr(text, "sliding_window", None)
-    if window and not getattr(model, "disable_sliding_window", False):
+    if window and not model.disable_sliding_window:
         layer_types = getattr(text, "layer_types", None)
         if isinstance(layer_types, list | tuple) and len(layer_types) == num_layers:
             windows = tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
@@ -131,10 +125,8 @@ def _kv_dtype(cache_dtype: str, model_dtype: Any) -> str:
 def ranks_on_host(parallel_config: Any) -> int:
     """Worker ranks this host runs for the engine: its TP x PP ranks over its nodes, times the local DP
     engines (each holds a tier of its own)."""
-    world = int(getattr(parallel_config, "world_size", 1) or 1)
-    nodes = int(getattr(parallel_config, "nnodes", 1) or 1)
-    local_dp = int(getattr(parallel_config, "data_parallel_size_local", 1) or 1)
-    return max(1, world // nodes) * max(1, local_dp)
+    world, nodes = int(parallel_config.world_size), int(parallel_config.nnodes)
+    return max(1, world // max(1, nodes)) * max(1, int(parallel_config.data_parallel_size_local))
 
 
 def estimated_bytes_per_block(vllm_config: Any) -> int | None:
@@ -148,9 +140,8 @@ def estimated_bytes_per_block(vllm_config: Any) -> int | None:
         return None
     if kv.dtype not in DTYPE_BYTES:
         return None
-    hybrid_manager = not getattr(vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", False)
     return kv.bytes_per_block(int(vllm_config.cache_config.block_size),
-                              int(vllm_config.parallel_config.tensor_parallel_size), hybrid_manager)
+                              int(vllm_config.parallel_config.tensor_parallel_size), hybrid_manager_on(vllm_config))
 
 
 def check_capacity(vllm_config: Any, config: OffloadConfig, available: int | None) -> None:

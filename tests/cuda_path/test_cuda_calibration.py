@@ -126,7 +126,7 @@ def test_a_calibration_that_fails_keeps_the_configured_policy(monkeypatch: pytes
         w, kv = calibrated(rt)
     assert w.backend.policy == KernelPolicy.make(("load", "store"), 28 << 10, 16)
     assert any("calibration on device 0 failed" in r.getMessage() for r in caplog.records)
-    ring = w.backend._rings["load"]
+    ring = w.backend.paths.rings["load"]
     assert ring.num_free == ring.capacity  # every launch it made was waited for and given back
     w.shutdown()
 

@@ -46,7 +46,7 @@ def test_failed_launches_give_their_ring_entries_back() -> None:
     rt = SimCudaRuntime(seed=0, burst=0)
     kv = make_kv(rt, "kv_first")
     w = sim_worker(rt, kv, 12, ring_entries=64, **KERNEL_ALWAYS)
-    ring = w.backend._rings["store"]
+    ring = w.backend.paths.rings["store"]
     rt.fail_kernel_launches = 40
     failed = []
     for event in range(1, 41):

@@ -31,6 +31,7 @@ from offload_connector.fake_engine.workload import Workload, random_workload, ru
 from offload_connector.metadata import TransferMetadata
 from worker_side import OffloadWorker
 from worker_side.backends.cuda.backend import CudaBackend
+from worker_side.backends.cuda.fences import StepFences
 from worker_side.testing.cuda_sim import SCHEDULES, SimCompute, SimCudaRuntime
 
 pytestmark = pytest.mark.cudasim
@@ -83,13 +84,13 @@ def test_tensor_parallel_replays_two_simulated_gpus(chunk: int) -> None:
 
 
 def fence_removed(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
-    original = CudaBackend._fence
+    original = StepFences.order
 
-    def without(self: CudaBackend, job_kind: str, stream: object) -> None:
+    def without(self: StepFences, job_kind: str, stream: object) -> None:
         if job_kind != kind:
             original(self, job_kind, stream)
 
-    monkeypatch.setattr(CudaBackend, "_fence", without)
+    monkeypatch.setattr(StepFences, "order", without)
 
 
 @pytest.mark.parametrize("kind", ["store", "load"])

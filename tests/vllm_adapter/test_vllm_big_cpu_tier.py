@@ -27,6 +27,8 @@ from test_vllm_e2e import close  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 
+from offload_connector.vllm.compat import in_process_connector  # noqa: E402
+
 MODEL_DIR = str(Path(__file__).resolve().parents[1] / "tiny_llama")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
 PREFIX_TOKENS = 192
@@ -52,7 +54,7 @@ def run(store_policy: str, cpu_bytes: str = "1GiB") -> dict:
               max_model_len=256, num_gpu_blocks_override=16, max_num_seqs=4, max_num_batched_tokens=256, seed=0,
               dtype="float32", kv_transfer_config=kv)
     try:
-        offload = llm.llm_engine.engine_core.engine_core.scheduler.connector.offload
+        offload = in_process_connector(llm).offload
         outputs, cached, wanted = [], 0, 0
         for reused, prompt in PROMPTS:
             before = offload.stats.num_hit_tokens

@@ -33,6 +33,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 
+from offload_connector.vllm.compat import in_process_connector, in_process_scheduler  # noqa: E402
+
 MODEL_DIR = str(Path(__file__).resolve().parents[1] / "tiny_llama")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
 
@@ -132,7 +134,7 @@ class StepRecorder:
 def run_shared(llm: LLM) -> dict:
     """SHARED, then the sensitivity check, through an engine with the connector: outputs, the connector's
     figures, what stays held."""
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    scheduler = in_process_scheduler(llm)
     recorder = StepRecorder(scheduler)
     result: dict = {"outputs": [generate(llm, p) for p in SHARED]}
     connector = scheduler.connector
@@ -177,7 +179,7 @@ def runs() -> dict:
                                                       "eviction": "arc"})
     llm = make_llm(lazy)
     results["lazy_arc"] = [generate(llm, p) for p in SHARED]
-    results["lazy_arc_stats"] = llm.llm_engine.engine_core.engine_core.scheduler.connector.offload.stats.snapshot()
+    results["lazy_arc_stats"] = in_process_connector(llm).offload.stats.snapshot()
     close(llm)
 
     llm = make_llm(None)

@@ -37,6 +37,8 @@ from test_vllm_e2e import MODEL_DIR, close, tokens  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 
+from offload_connector.vllm.compat import in_process_scheduler  # noqa: E402
+
 BS = 32
 # Eager: these stories count stores as blocks are computed (a block completed in a step with drafts is stored
 # once accepted) and one lookup per hit; lazy stores near eviction and may look a request up again.
@@ -127,7 +129,7 @@ def record_drafts(scheduler) -> list[list[int]]:
 def spec_prompts(llm: LLM) -> dict:
     """X, Y, then each again with its own output appended (plus 16 new tokens), so that the blocks holding
     speculatively decoded tokens are looked up."""
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    scheduler = in_process_scheduler(llm)
     connector = scheduler.connector
     drafts = record_drafts(scheduler)
     result: dict = {"outputs": [], "cached": [], "hit_tokens": []}
@@ -152,7 +154,7 @@ def spec_prompts(llm: LLM) -> dict:
 
 
 def multi_prompts(llm: LLM) -> dict:
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    scheduler = in_process_scheduler(llm)
     multi = scheduler.connector
     ours, example = multi.sub_connectors
     chosen: list[tuple[int, int]] = []  # per lookup with a hit: (connector index, tokens)
@@ -191,7 +193,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         llm = make_llm(KVTransferConfig(**OURS), speculative_config)
         results[name] = spec_prompts(llm)
         results[name]["layers"] = [g.layer_names for g in
-                                   llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups]
+                                   in_process_scheduler(llm).kv_cache_config.kv_cache_groups]
         close(llm)
         llm = make_llm(None, speculative_config)
         results[f"{name}_plain"] = spec_prompts(llm)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -126,17 +127,21 @@ def test_connector_hook_checks_the_config_and_pydantic_wrapping_is_undone() -> N
     @pydantic.dataclasses.dataclass
     class Config:  # stands in for VllmConfig, a pydantic dataclass
         extra: dict
+        kv_transfer_config: None = None  # VllmConfig's field; the wrapper's own check finds no connector
 
         def __post_init__(self) -> None:
             if self.extra.get("vllm_error"):
                 raise ValueError("one of vLLM's own errors")
             OffloadConnector.requires_piecewise_for_cudagraph(self.extra)
 
-    create = _checking(lambda args: Config(args))
+    def args(extra: dict) -> SimpleNamespace:  # stands in for EngineArgs: no kv_transfer_config, `extra` apart
+        return SimpleNamespace(kv_transfer_config=None, extra=extra)
+
+    create = _checking(lambda engine_args: Config(engine_args.extra))
     with pytest.raises(pydantic.ValidationError):
         Config({"store_polcy": "lazy"})
     with pytest.raises(ConfigError, match="store_polcy"):
-        create({"store_polcy": "lazy"})
+        create(args({"store_polcy": "lazy"}))
     with pytest.raises(pydantic.ValidationError, match="one of vLLM's own errors"):
-        create({"vllm_error": True})
-    assert create({}).extra == {}
+        create(args({"vllm_error": True}))
+    assert create(args({})).extra == {}

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from offload_connector.vllm.engine_setup import KVCacheShape, UnsupportedSetupError
+from offload_connector.vllm.engine_setup import KVCacheShape
+from offload_connector.vllm.errors import UnsupportedSetupError
 from offload_connector.vllm.remote_identity import vllm_remote_identity
 
 

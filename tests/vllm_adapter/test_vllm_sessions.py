@@ -24,6 +24,7 @@ from test_vllm_e2e import close, make_llm, tokens  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import KVTransferConfig  # noqa: E402
 
+from offload_connector.vllm.compat import in_process_connector  # noqa: E402
 from offload_connector.vllm.sessions import SessionCloseError, close_session, session_params  # noqa: E402
 
 SHARED = tokens(21, 64)  # two blocks both sessions use
@@ -64,7 +65,7 @@ def runs() -> dict:
     kv = KVTransferConfig(kv_connector="OffloadConnector", kv_connector_module_path="offload_connector.vllm_connector",
                           kv_role="kv_both", kv_connector_extra_config={"cpu_bytes": "64MiB", "store_policy": "eager"})
     llm = make_llm(kv)  # eager: each prompt's blocks are on the CPU once it finishes, so a close has copies to move
-    offload = llm.llm_engine.engine_core.engine_core.scheduler.connector.offload
+    offload = in_process_connector(llm).offload
     try:
         # 1. store: false stores nothing
         r["nostore"] = gen(llm, NOSTORE, {"store": False})

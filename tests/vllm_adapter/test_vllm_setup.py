@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 
 from offload_connector.config import ConfigError
-from offload_connector.vllm.engine_setup import UnsupportedSetupError, describe_kv_cache, resolve_config
+from offload_connector.vllm.engine_setup import describe_kv_cache, resolve_config
+from offload_connector.vllm.errors import UnsupportedSetupError
 
 
 class AttentionSpec(SimpleNamespace):
@@ -153,7 +154,7 @@ def test_unsupported_setups_fail_at_start_up(kwargs: dict, match: str) -> None:
 
 def test_importing_the_package_does_not_import_vllm() -> None:
     code = ("import sys, offload_connector, offload_connector.config, offload_connector.vllm.engine_setup, "
-            "offload_connector.vllm.gpu_pool, offload_connector.vllm.plugin, scheduler_side; "
+            "offload_connector.vllm.compat, offload_connector.vllm.gpu_pool, offload_connector.vllm.plugin, scheduler_side; "
             "sys.exit(1 if 'vllm' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 

@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  #
 from vllm_sim_helpers import MODES, Sim, tokens  # noqa: E402
 
 from offload_connector.metadata import TransferMetadata  # noqa: E402
+from offload_connector.vllm.compat import in_process_connector  # noqa: E402
 from offload_connector.vllm.connector import OffloadConnector, OffloadConnectorMetadata  # noqa: E402
 
 
@@ -107,7 +108,7 @@ def test_llm_reset_prefix_cache_with_connector_stops_cpu_hits(monkeypatch) -> No
                   kv_connector="OffloadConnector", kv_connector_module_path="offload_connector.vllm_connector",
                   kv_role="kv_both", kv_connector_extra_config={"cpu_bytes": "64MiB"}))
     try:
-        stats = llm.llm_engine.engine_core.engine_core.scheduler.connector.offload.stats
+        stats = in_process_connector(llm).offload.stats
         x, y = tokens(41, 128), tokens(42, 192)  # y needs the GPU blocks x's prefix sits in
 
         def generate(prompt: list[int]) -> None:

@@ -32,7 +32,7 @@ from vllm.usage.usage_lib import UsageContext  # noqa: E402
 
 import offload_connector.vllm.plugin as plugin  # noqa: E402
 from offload_connector.config import ConfigError  # noqa: E402
-from offload_connector.vllm.engine_setup import UnsupportedSetupError  # noqa: E402
+from offload_connector.vllm.errors import UnsupportedSetupError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = str(Path(__file__).resolve().parents[1] / "tiny_llama")  # 32 KiB per 32-token block (2 layers, float32)

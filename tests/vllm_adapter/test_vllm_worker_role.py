@@ -223,7 +223,7 @@ def test_unsupported_kv_tensors_fail_at_registration(tensor: torch.Tensor, match
 
 
 def test_worker_and_scheduler_must_agree_on_the_cpu_block_count() -> None:
-    from offload_connector.vllm.engine_setup import UnsupportedSetupError
+    from offload_connector.vllm.errors import UnsupportedSetupError
 
     sim = Sim(num_gpu_blocks=6, num_cpu_blocks=None, cpu_bytes=64 * 512)  # sized from bytes, not pinned
     conn = OffloadConnector(sim.vllm_config, KVConnectorRole.WORKER, sim.kv_cache_config)

@@ -1,21 +1,21 @@
 """A simulated CUDA device: the `CudaRuntime` seam with host memory standing in for device memory.
 
 For tests and benchmarks only (`pytest -m cudasim`, `bench_datapath.py --backend cuda-sim`); production
-never constructs it. It follows cuda_api.py's semantics and turns what a real GPU would do silently wrong
+never constructs it. It follows the runtime seam's semantics (worker_side/backends/cuda/api.py) and turns what a real GPU would do silently wrong
 into something a test sees:
 - Streams are FIFO queues whose work runs only when the simulator decides (sim_streams.py): at each API
   call up to `burst` items run in the order `schedule` prefers ("copy_first" exposes a missing fence
   before a store or a load; "compute_first"; "random"; "copy_lag" queues many jobs at once, so anything
   released before its job ran gets reused), seeded. Waits and events behave as CUDA's (a wait captures
-  the event's latest record at call time); `synchronize_*` runs work until the event or stream is done. The fake engine's forward runs as work on a compute stream
-  (`launch_host_work`), so a copy that races the forward corrupts KV and the fake model's check fails.
+  the event's latest record at call time); `synchronize_*` runs work until the event or stream is done.
+  The fake engine's forward runs as work on a compute stream (`launch_host_work`, `SimCompute`), so a copy
+  that races the forward corrupts KV and the fake model's check fails.
 - The calling thread's current device is tracked (a new thread starts on device 0); every call that
   touches a stream, event or memory checks it matches, and `devices_touched[thread id]` records every
   device a thread used (a context created on the wrong GPU shows up there).
-- Device memory is what `alloc_device` returned; host registrations are tracked by page. A copy whose host
-  side is not inside one registration made on the stream's device, or whose device side is not memory of
-  the stream's device, is a *fault*: recorded in `faults` (tests assert it stays empty) and raised as
-  `CudaError` where CUDA would refuse the call; `memcpy(pageable=True)` may use unregistered memory.
+- Memory (`memory`, sim_memory.py): a copy or kernel that breaks CUDA's rules on device memory and host
+  registrations is a *fault*: recorded in `faults` (tests assert it stays empty) and raised as `CudaError`
+  where CUDA would refuse the call.
 - `device_of` is a driver call (it needs a context, so it counts as touching the current device);
   `tensor_device` is framework metadata (torch's `tensor.device`) and touches nothing.
 - A device-to-host `memcpy(pageable=True)` blocks the calling thread until the copy ran (CUDA's rule for
@@ -35,7 +35,6 @@ benchmark can subtract it and keep only the backend's own host time.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from collections import Counter
@@ -47,12 +46,11 @@ import torch
 from worker_side.backends.cpu import run_segments
 from worker_side.backends.cuda.api import CudaError
 from worker_side.copy_plan import Segments
+from worker_side.testing.sim_memory import SimMemory, read_int64
 from worker_side.testing.sim_streams import SCHEDULES, SimEvent, SimStream, SimWork, StreamScheduler
 from worker_side.testing.sim_timing import SimTiming
 
 __all__ = ["SCHEDULES", "SimCompute", "SimCudaRuntime", "SimTiming"]
-
-PAGE = 4096
 
 
 class SimCudaRuntime:
@@ -82,8 +80,7 @@ class SimCudaRuntime:
         self._tls = threading.local()
         self._compute = [SimStream(d, f"compute{d}", True) for d in range(num_devices)]
         self._queues.streams.extend(self._compute)
-        self._device_memory: list[tuple[int, int, int, torch.Tensor]] = []  # (start, end, device, tensor)
-        self.registrations: dict[int, tuple[int, int, int]] = {}  # ptr -> (end, device, first page)
+        self.memory = SimMemory()
         self.faults: list[str] = []
         self.calls: Counter[str] = Counter()
         self.devices_touched: dict[int, set[int]] = {}
@@ -121,24 +118,21 @@ class SimCudaRuntime:
 
     def alloc_device(self, shape: tuple[int, ...], dtype: torch.dtype, device: int = 0) -> torch.Tensor:
         """Zeroed "device memory" of `device` (host memory the simulator treats as the GPU's)."""
-        t = torch.zeros(shape, dtype=dtype)
         with self._lock:
-            self._device_memory.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), device, t))
-        return t
+            return self.memory.alloc(shape, dtype, device)
 
-    def _owner(self, ptr: int, nbytes: int) -> int | None:
-        for start, end, device, _ in self._device_memory:
-            if start <= ptr and ptr + nbytes <= end:
-                return device
-        return None
+    @property
+    def registrations(self) -> dict[int, tuple[int, int, int]]:
+        """Host registrations: ptr -> (end, device, first page)."""
+        return self.memory.registrations
 
     def device_of(self, ptr: int, nbytes: int) -> int | None:
         with self._lock:
             self._enter("device_of")  # a driver call: it runs in (and may create) the current device's context
-            return self._owner(ptr, nbytes)
+            return self.memory.owner(ptr, nbytes)
 
     def tensor_device(self, tensor: torch.Tensor) -> int | None:
-        return self._owner(tensor.data_ptr(), 1)  # framework metadata: no driver call
+        return self.memory.owner(tensor.data_ptr(), 1)  # framework metadata: no driver call
 
     def numa_node(self, device: int) -> int | None:
         return self.numa_nodes.get(device)
@@ -219,49 +213,17 @@ class SimCudaRuntime:
             if self.max_register_bytes is not None and nbytes > self.max_register_bytes:
                 raise CudaError(f"cudaHostRegister({nbytes} bytes): cudaErrorInvalidValue (over the simulated "
                                 f"limit of {self.max_register_bytes} bytes)")
-            first, last = ptr // PAGE, (ptr + nbytes - 1) // PAGE
-            for p, (end, _, p_first) in self.registrations.items():
-                if first <= (end - 1) // PAGE and p_first <= last:
-                    raise CudaError(self._fault(f"cudaHostRegister({ptr:#x}, {nbytes}): shares a page with the "
-                                                f"registration at {p:#x} (cudaErrorHostMemoryAlreadyRegistered)"))
-            self.registrations[ptr] = (ptr + nbytes, device, first)
+            p = self.memory.overlapping(ptr, nbytes)
+            if p is not None:
+                raise CudaError(self._fault(f"cudaHostRegister({ptr:#x}, {nbytes}): shares a page with the "
+                                            f"registration at {p:#x} (cudaErrorHostMemoryAlreadyRegistered)"))
+            self.memory.register(ptr, nbytes, device)
 
     def host_unregister(self, ptr: int) -> None:
         with self._lock:
             self._enter("host_unregister")
-            if self.registrations.pop(ptr, None) is None:
+            if not self.memory.unregister(ptr):
                 raise CudaError(f"cudaHostUnregister({ptr:#x}): cudaErrorHostMemoryNotRegistered")
-
-    def _host_ok(self, ptr: np.ndarray, nbytes: np.ndarray, device: int) -> np.ndarray:
-        """Per segment: does [ptr, ptr + nbytes) lie inside one registration made on `device`?"""
-        ok = np.zeros(len(ptr), bool)
-        for start, (end, dev, _) in self.registrations.items():
-            if dev == device:
-                ok |= (ptr >= start) & (ptr + nbytes <= end)
-        return ok
-
-    def _device_ok(self, ptr: np.ndarray, nbytes: np.ndarray, device: int) -> np.ndarray:
-        ok = np.zeros(len(ptr), bool)
-        for start, end, dev, _ in self._device_memory:
-            if dev == device:
-                ok |= (ptr >= start) & (ptr + nbytes <= end)
-        return ok
-
-    def _check_copies(self, op: str, device: int, segs: Segments, pageable: bool = False) -> str | None:
-        """A fault message if any segment is not device <-> registered host memory of `device`."""
-        d_dev, s_dev = self._device_ok(segs.dst, segs.nbytes, device), self._device_ok(segs.src, segs.nbytes, device)
-        if pageable:
-            d_host, s_host = ~d_dev, ~s_dev
-        else:
-            d_host, s_host = self._host_ok(segs.dst, segs.nbytes, device), self._host_ok(segs.src, segs.nbytes, device)
-        bad = np.flatnonzero(~((d_dev & s_host) | (s_dev & d_host)))
-        if not len(bad):
-            return None
-        i = int(bad[0])
-        return self._fault(f"{op} on device {device}: {len(bad)} of {len(segs)} segments are not device memory of "
-                           f"device {device} <-> host memory registered there (first: dst {int(segs.dst[i]):#x}, "
-                           f"src {int(segs.src[i]):#x}, {int(segs.nbytes[i])} bytes; unregistered, straddling "
-                           "two registrations, or another device's)")
 
     # ---- copies ------------------------------------------------------------------------------------------
     def memcpy(self, dst: int, src: int, nbytes: int, stream: SimStream, pageable: bool = False) -> None:
@@ -277,12 +239,12 @@ class SimCudaRuntime:
         with self._lock:
             device = self._enter(op)
             self._same_device(op, device, stream)
-            fault = self._check_copies(op, device, segs, pageable)
+            fault = self.memory.copy_fault(op, device, segs, pageable)
             if fault is not None:
-                raise CudaError(fault)
+                raise CudaError(self._fault(fault))
             seconds = self.timing.dma_seconds(len(segs), segs.total_bytes)
             self._queues.push(stream, SimWork("copy", run=lambda: self._move(segs), seconds=seconds))
-            if pageable and not self._device_ok(segs.dst, segs.nbytes, device).any():
+            if pageable and not self.memory.device_ok(segs.dst, segs.nbytes, device).any():
                 # device -> pageable host: the call returns only once the copy ran, after all before it
                 position = stream.enqueued
                 self.host_blocked.append((threading.get_ident(), f"{op} device->pageable host"))
@@ -294,7 +256,7 @@ class SimCudaRuntime:
             run_segments(segs)
 
     def _registered_table(self, op: str, device: int, ptr: int, nbytes: int) -> None:
-        if not self._host_ok(np.array([ptr], np.int64), np.array([nbytes], np.int64), device)[0]:
+        if not self.memory.table_registered(ptr, nbytes, device):
             raise CudaError(self._fault(f"{op}: argument table at {ptr:#x} ({nbytes} bytes) is not in host memory "
                                         f"registered on device {device}"))
 
@@ -317,20 +279,23 @@ class SimCudaRuntime:
             self._registered_table("launch_block_copy", device, planes_ptr, num_planes * 40)
             self._registered_table("launch_block_copy", device, ids_ptr, num_blocks * 16)
             self.kernel_grids.append(min(num_planes * num_blocks, max(1, min(self.kernel_max_sms, self.sms))))
-            planes_now = _read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)
+            planes_now = read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)
             seconds = self.timing.kernel_seconds(int(planes_now[:, 4].sum()) * num_blocks)
 
             def run() -> None:  # the kernel reads its plane table and block ids now, when it runs
                 if not self.copy_bytes:
                     return
-                planes = _read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)[:, :, None]
-                ids = _read_int64(ids_ptr, 2 * num_blocks)
+                planes = read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)[:, :, None]
+                ids = read_int64(ids_ptr, 2 * num_blocks)
                 src_ids, dst_ids = ids[:num_blocks], ids[num_blocks:]
                 segs = Segments((planes[:, 1] + dst_ids * planes[:, 3]).ravel(),
                                 (planes[:, 0] + src_ids * planes[:, 2]).ravel(),
                                 np.broadcast_to(planes[:, 4], (num_planes, num_blocks)).ravel().copy())
-                if self._check_copies("block-copy kernel", device, segs) is None:
+                fault = self.memory.copy_fault("block-copy kernel", device, segs)
+                if fault is None:
                     run_segments(segs)
+                else:
+                    self._fault(fault)
 
             self._queues.push(stream, SimWork("kernel", run=run, seconds=seconds))
         self.self_time += time.perf_counter() - t0
@@ -357,10 +322,6 @@ class SimCudaRuntime:
     @property
     def num_queued(self) -> int:
         return self._queues.num_queued
-
-
-def _read_int64(ptr: int, count: int) -> np.ndarray:
-    return np.frombuffer((ctypes.c_int64 * count).from_address(ptr), np.int64).copy()
 
 
 class SimCompute:

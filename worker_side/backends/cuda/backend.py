@@ -1,30 +1,23 @@
 """CUDA transfer backend: one load stream, one store stream, event fences, batched submission.
 
-Every CUDA call goes through the `CudaRuntime` seam (cuda_api.py): `TorchCudaRuntime` on a GPU, the
-simulated device (`cuda_sim.SimCudaRuntime`) in tests, where a missing fence is an integrity error.
+Every CUDA call goes through the `CudaRuntime` seam (api.py): `TorchCudaRuntime` (runtime.py) on a GPU, the
+simulated device (worker_side/testing/cuda_sim.py) in tests, where a missing fence is an integrity error.
+This class binds to the KV cache and coordinates three parts, each owning its state:
+- `fences` (fences.py): the step fence and the event pool; loads wait for the compute launched before
+  this step's forward, stores for everything launched before them;
+- `paths` (copy_paths.py): how a job's copies are issued (one kernel launch, one batched memcpy, or one
+  memcpy per segment), with the copy geometry and the kernel's arguments;
+- `_jobs` (inflight.py): the submitted, unreported jobs per direction, in submission order.
 
-Per engine step (vLLM 0.32 order; docs/worker.md has the diagram):
-1. `begin_step()` (bind_connector_metadata, before the forward is launched) records `step_fence` on the
-   compute stream: the work that may still read blocks this step's loads overwrite (vLLM #47282).
-2. The forward is launched on the compute stream.
-3. `submit(load)`: the load stream waits for `step_fence` only, so the load overlaps this step's forward
-   (which never reads a block being loaded: those requests wait).
-4. `submit(store)`: a fence recorded *now* on the compute stream, after the forward that wrote the blocks
-   (vLLM #45704); the store stream waits for it, and for the completion event of each job in `job.after`
-   (this step's load, when the store writes host blocks that load reads). Stores have their own stream, so a load the engine
-   needs never queues behind a large store (it asks for the lowest priority: in practice CUDA's
-   default, which the compute stream has too).
-5. `poll()` queries completion events and never blocks; the engine thread never waits for a load
-   (`sync_loads = False`): a request resumes in the step after its load completed.
-
-Submission: one call per job, by the path `policy` (kernel_policy.py) picks from the job's segments: one
-launch of the block-copy kernel, which reads the direction's plane table (fixed at bind) and the job's block
-ids (written into a registered host ring, released in stream order when the job completes; given back at
-once when the launch fails) and finds every chunk itself, so the host's work is O(blocks), never
-O(blocks x layers); or one `memcpy_batch` of the segments (where the driver lacks it, one `memcpy` per
-segment). `num_jobs_by_path` counts the path each job took. `submit` never raises for a failed copy: a
-driver error of any kind (CudaError, or an error code the bindings cannot name) makes the job fail, and its
-result says so; only our own invariant errors propagate.
+Per engine step (vLLM 0.32 order; docs/worker.md has the diagram): `begin_step()` before the forward is
+launched; `submit(load)` on the load stream, which overlaps this step's forward; `submit(store)` on the
+store stream, after the forward that wrote the blocks and after the completion of each job in `job.after`
+(this step's load, when the store writes host blocks that load reads); `poll()` queries completion events
+and never blocks (`sync_loads = False`): a request resumes in the step after its load completed. Stores have
+their own stream, so a load the engine needs never queues behind a large store (it asks for the lowest
+priority: in practice CUDA's default, which the compute stream has too). `submit` never raises for a failed
+copy: a driver error of any kind (CudaError, or an error code the bindings cannot name) makes the job fail,
+and its result says so; only our own invariant errors propagate.
 Binding: the KV cache's device is taken from the tensors (`tensor_device`) and made current before any
 driver call, so no context appears on another GPU. The kernel is used only where the pool is pinned, the
 device lets kernels read registered host memory at its host address (`can_use_host_pointer`) and the
@@ -34,24 +27,22 @@ Host pool: pinned synchronously in `bind` (registration ranges from host_pool: p
 on the engine's thread with the KV cache's device current. If pinning fails the pool stays pageable: one
 warning, `num_pin_failures` counts it, and every copy is a staged per-segment `memcpy` issued by a copy
 thread of its own (pageable_copier.py: such a copy blocks its caller), on one stream; the engine runs.
-Invariants: `_inflight[kind]` holds the submitted, unreported jobs of that stream in submission order;
-each job's result is returned once; ring space is released only after the job's completion event fired.
+Invariants: each job's result is returned once; ring space is released only after the job's completion
+event fired; an event is reused only once nothing enqueued or pending refers to it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Collection
-from dataclasses import dataclass
-
-import numpy as np
 
 from worker_side.backends.base import CopyJob, JobKind, JobResult, TransferBackend
-from worker_side.backends.cuda.api import CudaError, CudaRuntime, Event, Stream
-from worker_side.backends.cuda.arg_ring import ArgRing
+from worker_side.backends.cuda.api import CudaError, CudaRuntime, Stream
 from worker_side.backends.cuda.calibration import JobTimer, calibrate, num_calibration_blocks
+from worker_side.backends.cuda.copy_paths import CopyPaths
+from worker_side.backends.cuda.fences import StepFences
+from worker_side.backends.cuda.inflight import InFlight, InFlightJobs
 from worker_side.backends.cuda.kernel_args import KernelArgs
 from worker_side.backends.cuda.kernel_policy import KERNEL_MAX_SEGMENT_BYTES, KERNEL_MAX_SMS, KernelPolicy
 from worker_side.backends.cuda.pageable_copier import PageableCopier, Ticket
@@ -64,19 +55,6 @@ logger = logging.getLogger(__name__)
 
 RING_ENTRIES = 1 << 16  # int64 block ids per stream (a job takes 2 per block)
 WAIT_POLL_S = 0.0002  # a bounded wait for loads polls their events this often
-PATHS = ("kernel", "batch", "per_segment", "pageable")
-
-
-@dataclass(slots=True)
-class _InFlight:
-    job: CopyJob
-    done: Event
-    ring_entries: int
-    error: str | None = None
-    ticket: Ticket | None = None  # pageable jobs: set once the copy thread issued them
-
-    def issued(self) -> bool:
-        return self.ticket is None or self.ticket.issued.is_set()
 
 
 class CudaBackend(TransferBackend):
@@ -99,25 +77,30 @@ class CudaBackend(TransferBackend):
         self.num_streams = max(1, num_streams)
         self.policy = KernelPolicy.make(kernel_directions, kernel_max_segment_bytes, kernel_min_segments)
         self.calibrate = calibrate
+        self.fences = StepFences(runtime)
+        self.paths = CopyPaths(runtime)
+        self._jobs = InFlightJobs()
         self._ring_entries = ring_entries
         self._device: int | None = None
-        self._geometry: dict[JobKind, CopyGeometry] = {}
         self._streams: dict[JobKind, Stream] = {}
-        self._kernel_args: KernelArgs | None = None  # the kernel's registered arguments, where it is on
-        self._inflight: dict[JobKind, deque[_InFlight]] = {"load": deque(), "store": deque()}
-        self._job_ids: set[int] = set()
-        self._events: list[Event] = []  # reusable events
-        self._step_fence: Event | None = None
         self._registered: list[int] = []  # host pointers we pinned, unpinned at shutdown
         self._copier: PageableCopier | None = None  # the pool is pageable: copies go through its thread
         self.pinned = False
         self.num_pin_failures = 0
-        self.num_copy_calls = 0  # memcpy / memcpy_batch / kernel-launch calls made (engine thread)
-        self.num_jobs_by_path = dict.fromkeys(PATHS, 0)  # the path each submitted job took
         self.num_failed_submissions = 0  # jobs whose copies could not be submitted (reported failed)
         self.kernel_off_reason: str | None = None  # why the kernel is not used (None: it is, per policy)
         self.calibration: list = []  # calibration.Measurement of the start-up calibration, if it ran
         self._closed = False
+
+    @property
+    def num_copy_calls(self) -> int:
+        """memcpy / memcpy_batch / kernel-launch calls made so far (copy_paths.py)."""
+        return self.paths.num_copy_calls
+
+    @property
+    def num_jobs_by_path(self) -> dict[str, int]:
+        """Submitted jobs by the path they took: kernel, batch, per_segment or pageable."""
+        return self.paths.num_jobs_by_path
 
     @property
     def kernel_max_segment_bytes(self) -> int:
@@ -158,8 +141,8 @@ class CudaBackend(TransferBackend):
     def bind(self, device_views: list[TensorBlockView], pool: HostPool) -> None:
         device = self._resolve_device(device_views)
         rows = pool.rows_per_registration
-        self._geometry = {"store": CopyGeometry.build(device_views, pool.views, rows),
-                          "load": CopyGeometry.build(pool.views, device_views, rows, cut_src=True)}
+        self.paths.geometry = {"store": CopyGeometry.build(device_views, pool.views, rows),
+                               "load": CopyGeometry.build(pool.views, device_views, rows, cut_src=True)}
         self.pinned = self._pin(pool.registration_ranges())
         load_stream = self.rt.create_stream(low_priority=False)
         separate = self.num_streams > 1 and self.pinned  # pageable: one copy thread, one stream, `after` by order
@@ -209,28 +192,25 @@ class CudaBackend(TransferBackend):
 
     def _make_kernel_args(self) -> None:
         try:
-            self._kernel_args = KernelArgs(self.rt, self._geometry, self._streams["store"] is self._streams["load"],
-                                           self._ring_entries)
+            kernel_args = KernelArgs(self.rt, self.paths.geometry, self._streams["store"] is self._streams["load"],
+                                     self._ring_entries)
         except CudaError as exc:
             self.kernel_off_reason = f"its arguments could not be pinned ({exc})"
             return
-        self._registered.append(self._kernel_args.ptr)
-
-    @property
-    def _rings(self) -> dict[JobKind, ArgRing]:
-        """The kernel's argument ring per direction (empty where the kernel is off)."""
-        return self._kernel_args.rings if self._kernel_args is not None else {}
+        self.paths.kernel_args = kernel_args
+        self._registered.append(kernel_args.ptr)
 
     def _calibrate(self, device: int, num_device_blocks: int, num_host_blocks: int) -> None:
         """Time kernel against DMA on this device and adopt the policy that measures faster (calibration.py);
         on any failure keep the configured policy. Runs before any request; waits for every copy it made."""
-        num_blocks = num_calibration_blocks(num_device_blocks, num_host_blocks, self._geometry["load"].bytes_per_block)
+        geometry = self.paths.geometry
+        num_blocks = num_calibration_blocks(num_device_blocks, num_host_blocks, geometry["load"].bytes_per_block)
         stream = self._streams["load"]
-        timer = JobTimer(self.rt, stream, self._issue, lambda kind, entries: self._rings[kind].release(entries))
+        timer = JobTimer(self.rt, stream, self.paths.issue, self.paths.release)
         t0 = time.perf_counter()
         try:
-            self._fence("store", stream)  # after whatever the engine launched so far
-            policy, self.calibration = calibrate(self.policy, self._geometry, num_blocks, timer.time_job)
+            self.fences.order("store", stream)  # after whatever the engine launched so far
+            policy, self.calibration = calibrate(self.policy, geometry, num_blocks, timer.time_job)
         except Exception as exc:  # a device we cannot time: the configured policy stays
             logger.warning("offload: calibration on device %d failed (%s: %s); keeping %s", device,
                            type(exc).__name__, exc, self.policy.describe())
@@ -241,62 +221,35 @@ class CudaBackend(TransferBackend):
                     (time.perf_counter() - t0) * 1e3, len(self.calibration))
         self.policy = policy
 
-    def _issue(self, kind: JobKind, path: str, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Stream) -> int:
-        """One calibration job by `path` ("kernel" | "dma"); the ring entries it holds."""
-        if path == "kernel":
-            entries = self._launch(kind, src_ids, dst_ids, stream)
-            if entries is None:
-                raise WorkerInvariantError("calibration: the argument ring is full while nothing else runs (our bug)")
-            return entries
-        self._dma(kind, src_ids, dst_ids, self._geometry[kind].runs(src_ids, dst_ids), stream)
-        return 0
-
     # ---- steps and jobs -----------------------------------------------------------------------------
-    def _event(self) -> Event:
-        return self._events.pop() if self._events else self.rt.create_event()
-
     def begin_step(self) -> None:
         """Record the fence this step's loads wait on: all compute launched before this step's forward."""
         if self._closed or self._device is None:
             return
         self._use_device()
-        if self._step_fence is None:
-            self._step_fence = self._event()
-        self.rt.record_event(self._step_fence, self.rt.compute_stream())
+        self.fences.begin_step()
 
     def end_step(self) -> None:
-        if self._step_fence is not None:
-            self._events.append(self._step_fence)  # its waits are enqueued: safe to re-record
-            self._step_fence = None
-
-    def _fence(self, kind: JobKind, stream: Stream) -> None:
-        """Make `stream` wait for the compute `kind` must follow (see the module docstring)."""
-        if kind == "load" and self._step_fence is not None:
-            self.rt.wait_event(stream, self._step_fence)
-            return
-        fence = self._event()  # a store, or a load outside begin_step/end_step: everything launched so far
-        self.rt.record_event(fence, self.rt.compute_stream())
-        self.rt.wait_event(stream, fence)
-        self._events.append(fence)  # the wait is enqueued: safe to re-record
+        self.fences.end_step()
 
     def submit(self, job: CopyJob) -> None:
         if self._closed or self._device is None:
             raise WorkerClosedError(f"job {job.job_id}: cuda backend closed or not bound")
-        if job.job_id in self._job_ids:
+        if job.job_id in self._jobs:
             raise WorkerInvariantError(f"job id {job.job_id} submitted twice (our bug)")
         self._use_device()
         stream = self._streams[job.kind]
-        entry = _InFlight(job, None, 0)
+        entry = InFlight(job, None, 0)
         try:
-            self._fence(job.kind, stream)
-            entry.done = self._event()
+            self.fences.order(job.kind, stream)
+            entry.done = self.fences.event()
             if self._copier is not None:
-                segs = self._geometry[job.kind].segments(job.src_ids, job.dst_ids)
-                entry.ticket = self._copier.submit(segs, stream, entry.done, self._done_events(job.after))
-                self.num_jobs_by_path["pageable"] += 1
+                segs = self.paths.segments(job.kind, job.src_ids, job.dst_ids)
+                entry.ticket = self._copier.submit(segs, stream, entry.done, self._jobs.done_events(job.after))
+                self.paths.num_jobs_by_path["pageable"] += 1
             else:
                 self._wait_for_jobs(job.after, stream)
-                entry.ring_entries = self._enqueue(job, stream)
+                entry.ring_entries = self.paths.enqueue(job, stream, self.policy)
         except WorkerInvariantError:
             raise
         except Exception as exc:  # CudaError, or what the bindings raise for a code they cannot name
@@ -306,15 +259,20 @@ class CudaBackend(TransferBackend):
                            job.num_blocks, entry.error)
         if entry.ticket is None:
             self._record_done(entry, stream)
-        self._inflight[job.kind].append(entry)
-        self._job_ids.add(job.job_id)
+        self._jobs.add(entry)
 
-    def _record_done(self, entry: _InFlight, stream: Stream) -> None:
+    def _wait_for_jobs(self, job_ids: tuple[int, ...], stream: Stream) -> None:
+        """Make `stream` wait for the completion events of these jobs still in flight (a store into host
+        blocks a load still reads)."""
+        for event in self._jobs.done_events(job_ids):
+            self.rt.wait_event(stream, event)
+
+    def _record_done(self, entry: InFlight, stream: Stream) -> None:
         """Record the job's completion event; where even that fails, wait for the stream here instead, so the
         job is never reported while its copies may still run."""
         try:
             if entry.done is None:
-                entry.done = self._event()
+                entry.done = self.fences.event()
             self.rt.record_event(entry.done, stream)
         except Exception as exc:
             entry.error = entry.error or f"{type(exc).__name__}: {exc}"
@@ -325,89 +283,29 @@ class CudaBackend(TransferBackend):
                 pass
             entry.ticket.issued.set()
 
-    def _done_events(self, job_ids: tuple[int, ...]) -> list[Event]:
-        """Completion events of these jobs still in flight. O(jobs in flight) per job named."""
-        out = []
-        for job_id in job_ids:
-            for queue in self._inflight.values():
-                earlier = next((f for f in queue if f.job.job_id == job_id), None)
-                if earlier is not None:
-                    out.append(earlier.done)
-                    break
-        return out
-
-    def _wait_for_jobs(self, job_ids: tuple[int, ...], stream: Stream) -> None:
-        """Make `stream` wait for the completion events of these jobs still in flight (a store into host
-        blocks a load still reads)."""
-        for event in self._done_events(job_ids):
-            self.rt.wait_event(stream, event)
-
-    def _enqueue(self, job: CopyJob, stream: Stream) -> int:
-        """Submit the job's copies by the policy's path; returns the ring entries it holds until it completes."""
-        geometry = self._geometry[job.kind]
-        src_ids, dst_ids = job.src_ids, job.dst_ids
-        runs = geometry.runs(src_ids, dst_ids)
-        num_segments = geometry.num_segments(len(src_ids), len(runs[2]))
-        if job.kind in self._rings and self.policy.use_kernel(job.kind, num_segments,
-                                                              len(src_ids) * geometry.bytes_per_block):
-            entries = self._launch(job.kind, src_ids, dst_ids, stream)
-            if entries is not None:  # None: the ring is full; this job goes by DMA below
-                self.num_jobs_by_path["kernel"] += 1
-                return entries
-        self.num_jobs_by_path[self._dma(job.kind, src_ids, dst_ids, runs, stream)] += 1
-        return 0
-
-    def _launch(self, kind: JobKind, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Stream) -> int | None:
-        """One kernel launch (kernel_args.py): the ring entries it holds, None when the ring is full."""
-        if self._kernel_args is None:
-            raise WorkerInvariantError(f"{kind} job: kernel launch with the kernel off (our bug)")
-        entries = self._kernel_args.launch(kind, src_ids, dst_ids, stream)
-        if entries is not None:
-            self.num_copy_calls += 1
-        return entries
-
-    def _dma(self, kind: JobKind, src_ids: np.ndarray, dst_ids: np.ndarray,
-             runs: tuple[np.ndarray, np.ndarray, np.ndarray], stream: Stream) -> str:
-        """The job's segments by the copy engines: one batched call, or one call per segment. Its path."""
-        segs = self._geometry[kind].segments(src_ids, dst_ids, runs)
-        if self.rt.supports_batch:
-            self.rt.memcpy_batch(segs.dst, segs.src, segs.nbytes, stream)
-            self.num_copy_calls += 1
-            return "batch"
-        for d, s, n in zip(segs.dst.tolist(), segs.src.tolist(), segs.nbytes.tolist(), strict=True):
-            self.rt.memcpy(d, s, n, stream)
-            self.num_copy_calls += 1
-        return "per_segment"
-
     # ---- completions --------------------------------------------------------------------------------
-    def _finish(self, kind: JobKind) -> JobResult:
-        f = self._inflight[kind].popleft()
-        self._job_ids.discard(f.job.job_id)
-        self._events.append(f.done)
+    def _finish(self, f: InFlight) -> JobResult:
+        self.fences.reuse(f.done)
         if f.ring_entries:
-            self._rings[kind].release(f.ring_entries)  # the job completed: the kernel has read its ids
+            self.paths.release(f.job.kind, f.ring_entries)  # the job completed: the kernel has read its ids
         error = f.error or (f.ticket.error if f.ticket is not None else None)
         failed = tuple(int(i) for i in f.job.dst_ids) if error else ()
         return JobResult(f.job.job_id, failed, error, time.perf_counter())
 
-    def _complete(self, f: _InFlight) -> bool:
+    def _complete(self, f: InFlight) -> bool:
         return f.issued() and self.rt.query_event(f.done)
 
     def poll(self) -> list[JobResult]:
         if self._device is None:
             return []
         self._use_device()
-        out = []
-        for kind, queue in self._inflight.items():
-            while queue and self._complete(queue[0]):  # a stream completes in order
-                out.append(self._finish(kind))
-        return out
+        return [self._finish(f) for f in self._jobs.completed(self._complete)]  # a stream completes in order
 
     def wait(self, job_ids: Collection[int] | None = None, timeout: float | None = None) -> None:
         if self._device is None:
             return
         self._use_device()
-        waiting = [f for queue in self._inflight.values() for f in queue if job_ids is None or f.job.job_id in job_ids]
+        waiting = self._jobs.select(job_ids)
         if timeout is None:
             for f in waiting:
                 if f.ticket is not None:
@@ -439,4 +337,3 @@ class CudaBackend(TransferBackend):
         for ptr in self._registered:
             self.rt.host_unregister(ptr)
         self._registered = []
-

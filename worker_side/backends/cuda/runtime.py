@@ -1,4 +1,4 @@
-"""`TorchCudaRuntime`: the real `CudaRuntime` (cuda_api.py), bound to the CUDA that torch already loaded.
+"""`TorchCudaRuntime`: the real `CudaRuntime` (api.py), bound to the CUDA that torch already loaded.
 
 What it binds to, and why:
 - Devices, streams and events are torch's (`torch.cuda.Stream`, `torch.cuda.Event`): the engine's compute
