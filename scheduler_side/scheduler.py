@@ -89,7 +89,7 @@ class OffloadScheduler:
         self.transfers = Transfers()
         self.stats = SchedulerStats()
         self.kv_events = KVEventLog(emit_kv_events)
-        self.cpu_pool = BlockPool(num_cpu_blocks, on_evict=self.kv_events.on_cpu_evict, eviction=config.eviction,
+        self.cpu_pool = BlockPool(num_cpu_blocks, on_evict=self._on_cpu_evict, eviction=config.eviction,
                                   history=both_tiers)
         # Remembers the keys of several times what both tiers hold: a superseded branch is recent.
         self.admissions = Admissions(4 * both_tiers, config.branch_filter, self.cpu_pool, self.stats, group_id,
@@ -97,7 +97,7 @@ class OffloadScheduler:
         self.admission: AdmissionFilter = self.admissions.filter
         self.policy_view = SchedulerStorePolicyView(
             self.cpu_pool, gpu_pool, self.transfers.store_events, block_size, group_id, max_blocks_per_step,
-            config.lazy_lookahead_blocks, self.admission)
+            config.lazy_lookahead_blocks, self.admission, num_gpu_blocks)
         self.policy: StorePolicy = make_store_policy(config.store_policy, self.policy_view)
         self.remote: RemoteTier | None = make_remote_tier(config.remote, remote_identity, self.cpu_pool,
                                                           self.allocate_cpu, world_size, group_id)
@@ -114,6 +114,13 @@ class OffloadScheduler:
                              config.remote is not None and config.remote.write == "on_store")
         self.completions = Completions(self.transfers, self.cpu_pool, gpu_pool, self.policy, self.stats,
                                        self.kv_events, self.remote, world_size)
+
+    def _on_cpu_evict(self, key: bytes, evicted: bool) -> None:
+        """The CPU pool dropped `key`: evicted by allocation (`evicted`; the store policy hears of it) or
+        forgotten. The KV event log records either."""
+        if evicted:
+            self.policy.on_cpu_evicted(key)
+        self.kv_events.on_cpu_evict(key, evicted)
 
     @property
     def emit_kv_events(self) -> bool:

@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from offload_connector.config import load_config
-from offload_connector.hashing import hash_request_tokens
+from offload_connector.hashing import hash_request_tokens, with_group_id
 from offload_connector.metadata import WorkerReport
 from scheduler_side import BlockPool, BlockPoolGpuView, OffloadScheduler, StepRequest
+from scheduler_side.policies.lazy import LazyStorePolicy
+from scheduler_side.policies.store_policy import StorePolicyView
+from scheduler_side.request_state import RequestState
 
 
 @dataclass
@@ -34,6 +37,37 @@ def make_scheduler(num_gpu_blocks: int = 100, num_cpu_blocks: int = 50, block_si
     gpu = BlockPool(num_gpu_blocks)
     sched = OffloadScheduler(config, block_size, num_cpu_blocks, BlockPoolGpuView(gpu), world_size)
     return sched, gpu
+
+
+def put_under_pressure(sched: OffloadScheduler) -> None:
+    """Put a fresh scheduler's lazy policy under pressure for good, as the engine would: the CPU tier evicts
+    a copy, and a lookup then misses on it. The tier is left empty in its first order, no request is left
+    and no step has run: lazy's frontier rules are told from there."""
+    pool, bs = sched.cpu_pool, sched.block_size
+    evicted = FakeRequest("evicted", list(range(10**6, 10**6 + 2 * bs)), bs)
+    blocks = pool.allocate(pool.num_free_blocks)
+    for i, block in enumerate(blocks):  # the evicted request's first block is the least recently used
+        pool.cache(block, with_group_id(evicted.block_hashes[0], sched.group_id) if i == 0 else b"filler%d" % i)
+    pool.free(blocks)
+    first = pool.allocate(1)  # evicts that first block
+    for block in reversed(blocks[1:]):
+        pool.discard(block)  # each to the head of the empty blocks: they end up in their first order
+    pool.free(first, front=True)
+    if sched.get_num_new_matched_tokens(evicted, 0) != (0, False) or not sched.policy.under_pressure:
+        raise RuntimeError("the lookup of an evicted copy did not put the lazy policy under pressure")
+    sched.request_finished(evicted)
+    sched.take_events()  # the fillers' KV events
+
+
+def lazy_under_pressure(view: StorePolicyView) -> LazyStorePolicy:
+    """A lazy policy over a stand-in `view`, put under pressure the way the scheduler does it: the CPU tier
+    evicts a copy (`on_cpu_evicted`) and a lookup then misses on it."""
+    policy = LazyStorePolicy(view)
+    request = FakeRequest("evicted", list(range(10**6, 10**6 + 2 * view.block_size)), view.block_size)
+    policy.on_cpu_evicted(with_group_id(request.block_hashes[0], view.group_id))
+    if not policy.may_admit(RequestState(request), 0) or not policy.under_pressure:
+        raise RuntimeError("the lookup of an evicted copy did not put the lazy policy under pressure")
+    return policy
 
 
 def admit(sched: OffloadScheduler, gpu: BlockPool, req: FakeRequest, gpu_hit_tokens: int = 0):

@@ -35,7 +35,8 @@ when known); per admission O(blocks allocated + its GPU hit). Follows store_poli
 from __future__ import annotations
 
 from offload_connector.hashing import with_group_id
-from scheduler_side.policies.store_policy import StorePicks, StorePolicy, StorePolicyView
+from scheduler_side.policies.evicted_keys import EvictedKeys
+from scheduler_side.policies.store_policy import EagerStorePolicy, StorePicks, StorePolicy, StorePolicyView
 from scheduler_side.request_state import LoadJob, RequestState
 
 MAX_DEFERRALS = 4  # lookups a request may be deferred so that its allocation evicts only saved blocks
@@ -44,10 +45,9 @@ ADMIT_WEIGHT = 0.1  # weight of this step's largest admission in their mean
 
 
 class LazyStorePolicy(StorePolicy):
-    gpu_copy_worthless_after_store = True
-
     def __init__(self, view: StorePolicyView) -> None:
         super().__init__(view)
+        self._inclusive = EagerStorePolicy(view)  # picks every computed block while the tier has room
         self._step_alloc = 0  # blocks the engine handed to requests this step
         self._peak_alloc = 0.0  # decaying peak of per-step allocations
         self._admit_mean = 0.0  # mean largest admission of steps that ran at most one request (EMA)
@@ -56,12 +56,13 @@ class LazyStorePolicy(StorePolicy):
         self._held: dict[bytes, int] = {}  # key -> GPU block held for the next store event
         self._last_event_id: int | None = None  # our most recent store event
         self._steps = 0  # pick_stores calls (engine steps)
-        # The CPU tier has evicted a block (seen at a step's tick), so it filled up (the CPU pool evicts only once
-        # no empty block is free): from then on space spent on copies of blocks
-        # the GPU holds costs hits; until it fills such copies are kept (a free second chance). A window of 64
-        # steps after each eviction lost 0.2 points one request at a time on the agentic trace: its quiet
-        # spells (a session's turns all GPU hits) kept copies that then cost room.
+        # Pressure: a lookup missed on content the CPU tier evicted within its last `num_gpu_blocks` evictions
+        # (`_evicted`), room an exclusive tier would have had. From then on space spent on copies of blocks the
+        # GPU holds costs hits, for good: a quiet spell (a session's turns all GPU hits) would keep copies
+        # that cost room once the tier is busy again. Until then lazy stores what eager stores: a tier that
+        # evicts only content nobody asks for again loses nothing by holding copies of the GPU's blocks.
         self._cpu_under_pressure = False
+        self._evicted: EvictedKeys | None = EvictedKeys(view.num_gpu_blocks)  # None under pressure
         self._deficit = 0  # blocks that admissions deferred this step need saved by its store event
         self._p_inflight = 0.0  # how often a store event outlasted the next step's allocations (EMA)
         self._admit_alloc = 0  # blocks this step's largest admission took
@@ -70,6 +71,30 @@ class LazyStorePolicy(StorePolicy):
         self._covered = 0  # `_pending` at the last pick: what this step's running allocations may take
         self._deferred: dict[str, tuple[int, int]] = {}  # request id -> (step clock, deferrals in a row)
         self._demand = 0  # blocks the last store event meant to save: what the next step may allocate
+
+    @property
+    def gpu_copy_worthless_after_store(self) -> bool:  # type: ignore[override]
+        """Under pressure a stored block goes to the head of the GPU free queue (the CPU has it); while the
+        tier has room the GPU keeps its LRU order, as with eager stores."""
+        return self._cpu_under_pressure
+
+    @property
+    def under_pressure(self) -> bool:
+        """The CPU tier evicted content that was asked for again: lazy stores only near the GPU's eviction
+        frontier, for good."""
+        return self._cpu_under_pressure
+
+    def on_cpu_evicted(self, key: bytes) -> None:
+        if self._evicted is not None:
+            self._evicted.add(key)
+
+    def _missed_evicted(self, state: RequestState, num_cpu_hit_blocks: int) -> bool:
+        """The lookup's first miss (the block after its GPU and CPU hits) is a recently evicted copy."""
+        i = state.num_gpu_hit_blocks + num_cpu_hit_blocks
+        request = state.request
+        if self._evicted is None or i >= min(len(request.block_hashes), (request.num_tokens - 1) // self.view.block_size):
+            return False  # (the hit reaches as far as a lookup looks: no miss)
+        return with_group_id(request.block_hashes[i], self.view.group_id) in self._evicted
 
     @property
     def lookahead(self) -> int:
@@ -113,6 +138,9 @@ class LazyStorePolicy(StorePolicy):
         Lazy stores nothing through the store cursor, so it keeps there the request's block count at the
         last check: a step that gave the request no new block (most decode steps) costs one comparison."""
         self._num_scheduled += 1
+        if not self._cpu_under_pressure:
+            self._inclusive.on_scheduled(state, num_computed_tokens)
+            return
         num_blocks = len(state.gpu_block_ids)
         if num_blocks == state.num_store_checked_blocks:
             return
@@ -133,6 +161,10 @@ class LazyStorePolicy(StorePolicy):
         the frontier, so it is checked again, up to `MAX_DEFERRALS` deferrals in a row.
         Cost O(blocks it allocates + its GPU hit).
         """
+        if not self._cpu_under_pressure:
+            if self._missed_evicted(state, num_cpu_hit_blocks):
+                self._cpu_under_pressure, self._evicted = True, None  # from the next lookup and store on
+            return True  # every computed block was stored as it was computed: the frontier is saved
         deferred_at, in_a_row = self._deferred.pop(state.request_id, (None, 0))
         if deferred_at == self._steps - 1 or in_a_row >= MAX_DEFERRALS:
             return True  # the last step's store saved its span (or it waited long enough)
@@ -177,8 +209,6 @@ class LazyStorePolicy(StorePolicy):
         chunks the last store saved ahead, nor the admission of a step that ran at most one request: that
         goes into a mean), how long store events last."""
         self._steps += 1
-        if not self._cpu_under_pressure:
-            self._cpu_under_pressure = self.view.cpu_num_evictions() > 0
         alone = self._admit_alloc if self._num_scheduled <= 1 else 0
         self._num_scheduled = 0
         uncovered = max(0, self._step_alloc - alone - self._covered)
@@ -198,6 +228,9 @@ class LazyStorePolicy(StorePolicy):
         what deferred admissions need) and the CPU tier's free room."""
         lone = self._num_scheduled <= 1  # (before the tick resets it)
         self._tick()
+        inclusive = self._inclusive.pick_stores()  # (empty under pressure: `on_scheduled` gave it nothing)
+        if not self._cpu_under_pressure:
+            return inclusive  # (nothing is held: holds start under pressure, which lasts)
         view = self.view
         held, self._held = self._held, {}
         picks = StorePicks(release_gpu_ids=list(held.values()))  # every hold ends with this event
@@ -258,6 +291,8 @@ class LazyStorePolicy(StorePolicy):
         them until the next store event takes them, as many as the CPU tier has room for (holding what
         cannot be stored would only shrink the GPU's free queue)."""
         self._deferred.pop(state.request_id, None)
+        if not self._cpu_under_pressure:
+            return []  # its computed blocks are stored or being stored
         view = self.view
         room = view.cpu_num_free_blocks() - len(self._held)
         if view.gpu_num_free_blocks() >= max(self.lookahead, self._demand) or room <= 0:

@@ -18,6 +18,7 @@ policy's own state and, where its docstring says so, the request's store cursor
    free GPU blocks to put back at the head of the GPU free queue (`GpuPool.move_to_front`);
 5. finish: `on_request_finished(state)` -> GPU blocks to hold (one reference each) until the next
    `pick_stores`, which lists them again in `release_gpu_ids`.
+At any point: `on_cpu_evicted(key)` when the CPU tier evicts a cached copy to make room (not a copy given up).
 
 - `EagerStorePolicy` (inclusive tier): every full, hashed block whose KV this step's forward completes,
   unless it is already cached on the CPU or being stored, or dead (`StorePolicyView.is_dead`). Cost per step: O(newly completed blocks).
@@ -42,6 +43,7 @@ class StorePolicyView(Protocol):
     block_size: int
     group_id: int
     max_blocks_per_step: int | None  # the engine's allocation bound per step, if known
+    num_gpu_blocks: int  # the engine's GPU pool size (the CPU tier's when the engine did not say)
     lazy_lookahead_blocks: int | None  # config override of the lazy lookahead
 
     def is_saved(self, key: bytes) -> bool:
@@ -60,9 +62,6 @@ class StorePolicyView(Protocol):
 
     def is_store_outstanding(self, event_id: int) -> bool: ...
     def cpu_num_free_blocks(self) -> int: ...
-    def cpu_num_evictions(self) -> int:
-        """Cached CPU blocks evicted by allocation so far (a counter). The CPU pool evicts only once no empty
-        block is free: a non-zero count means the tier filled up."""
     def gpu_num_free_blocks(self) -> int: ...
     def gpu_eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         """(gpu_block_id, key or None) of free GPU blocks from the eviction frontier on (stop before any
@@ -120,6 +119,9 @@ class StorePolicy:
     def on_load_complete(self, job: LoadJob) -> bool:
         """Every rank finished the load. True: forget its CPU copies (blocks nobody else holds)."""
         return False
+
+    def on_cpu_evicted(self, key: bytes) -> None:
+        """The CPU tier evicted `key`'s copy to make room for another (LRU or ARC's choice)."""
 
     def lends_load_slots(self) -> bool:
         """May this step's stores take the slots of blocks this step's loads read (nobody else holds them)?

@@ -1,7 +1,7 @@
 """`SchedulerStorePolicyView`: the scheduler's implementation of `StorePolicyView` (store_policy.py), the
 read-only window a store policy has on the scheduler.
 
-It reads the CPU pool (cached and reserved keys, free blocks, evictions), the engine's GPU pool (free
+It reads the CPU pool (cached and reserved keys, free blocks), the engine's GPU pool (free
 blocks, eviction frontier), the outstanding store events and the admission filter (`is_dead`); it changes nothing and holds no state of
 its own. The scheduler builds one and hands it to its policy, which never sees the scheduler itself.
 """
@@ -18,12 +18,13 @@ from scheduler_side.pool.block_pool import BlockPool
 class SchedulerStorePolicyView:
     def __init__(self, cpu_pool: BlockPool, gpu_pool: GpuPool, store_events: Mapping[int, object], block_size: int,
                  group_id: int, max_blocks_per_step: int | None, lazy_lookahead_blocks: int | None,
-                 admission: AdmissionFilter) -> None:
+                 admission: AdmissionFilter, num_gpu_blocks: int | None = None) -> None:
         self._cpu, self._gpu, self._store_events = cpu_pool, gpu_pool, store_events
         self.is_dead, self._admission = admission.is_dead, admission
         self._cached, self._reserved = cpu_pool.cached, cpu_pool.reserved
         self.block_size, self.group_id = block_size, group_id
         self.max_blocks_per_step, self.lazy_lookahead_blocks = max_blocks_per_step, lazy_lookahead_blocks
+        self.num_gpu_blocks = num_gpu_blocks or cpu_pool.num_blocks
 
     def is_saved(self, key: bytes) -> bool:
         return key in self._cached or key in self._reserved
@@ -39,9 +40,6 @@ class SchedulerStorePolicyView:
 
     def cpu_num_free_blocks(self) -> int:
         return self._cpu.num_free_blocks
-
-    def cpu_num_evictions(self) -> int:
-        return self._cpu.num_evictions
 
     def gpu_num_free_blocks(self) -> int:
         return self._gpu.num_free_blocks()

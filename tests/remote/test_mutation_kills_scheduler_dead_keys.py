@@ -9,10 +9,10 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+from helpers import lazy_under_pressure
 from test_mutation_kills_scheduler_remote_lookup import StandInClient, answer, hashes
 
 from offload_connector.hashing import with_group_id
-from scheduler_side.policies.lazy import LazyStorePolicy
 from scheduler_side.pool.eviction.arc import ArcBlock, ArcEviction
 from scheduler_side.tiers.remote.lookups import BLOCKS_PER_ROUND, RemoteLookups
 
@@ -24,11 +24,14 @@ class View:
 
     def __init__(self, frontier: list[tuple[int, bytes]], dead: set[bytes], cpu_free: int = 100) -> None:
         self.block_size, self.group_id = BS, 0
-        self.max_blocks_per_step, self.lazy_lookahead_blocks = None, 8
+        self.max_blocks_per_step, self.lazy_lookahead_blocks, self.num_gpu_blocks = None, 8, 100
         self.frontier, self.dead, self.cpu_free = frontier, dead, cpu_free
 
     def is_saved(self, key: bytes) -> bool:
         return False
+
+    def saved_key_maps(self):
+        return frozenset(), frozenset()  # (read with `in` only)
 
     def is_dead(self, key: bytes) -> bool:
         return key in self.dead
@@ -41,9 +44,6 @@ class View:
 
     def cpu_num_free_blocks(self) -> int:
         return self.cpu_free
-
-    def cpu_num_evictions(self) -> int:
-        return 0
 
     def gpu_num_free_blocks(self) -> int:
         return len(self.frontier)
@@ -58,7 +58,7 @@ def keys(n: int) -> list[bytes]:
 
 def test_the_frontier_scan_skips_dead_keys() -> None:
     k = keys(3)
-    policy = LazyStorePolicy(View([(1, k[0]), (2, k[1]), (3, k[2])], dead={k[1]}))
+    policy = lazy_under_pressure(View([(1, k[0]), (2, k[1]), (3, k[2])], dead={k[1]}))
     picks = policy.pick_stores()
     assert picks.keys == [k[0], k[2]] and picks.gpu_ids == [1, 3]
 
@@ -72,7 +72,7 @@ def request_state(block_keys_hashes: list[bytes], gpu_ids: list[int]):
 def test_a_finishing_request_holds_no_dead_block() -> None:
     raw = [bytes([i]) * 16 for i in range(3)]
     dead = {with_group_id(raw[1])}
-    policy = LazyStorePolicy(View([], dead=dead))  # no free GPU block: under the lookahead, holds
+    policy = lazy_under_pressure(View([], dead=dead))  # no free GPU block: under the lookahead, holds
     held = policy.on_request_finished(request_state(raw, [5, 6, 7]))
     assert held == [5, 7]
 
@@ -80,7 +80,7 @@ def test_a_finishing_request_holds_no_dead_block() -> None:
 def test_a_held_block_that_died_meanwhile_is_released_not_stored() -> None:
     raw = [bytes([i]) * 16 for i in range(2)]
     view = View([], dead=set())
-    policy = LazyStorePolicy(view)
+    policy = lazy_under_pressure(view)
     assert policy.on_request_finished(request_state(raw, [5, 6])) == [5, 6]
     view.dead.add(with_group_id(raw[0]))  # e.g. its session closed before the next metadata
     picks = policy.pick_stores()
@@ -91,11 +91,11 @@ def test_dead_blocks_an_admission_would_evict_do_not_defer_it() -> None:
     """Deferring a request one step is worth it only to save blocks worth keeping: unsaved but dead
     frontier blocks are not a reason."""
     k = keys(2)
-    policy = LazyStorePolicy(View([(1, k[0]), (2, k[1])], dead=set(k)))
+    policy = lazy_under_pressure(View([(1, k[0]), (2, k[1])], dead=set(k)))
     state = SimpleNamespace(num_deferrals=0, num_gpu_hit_blocks=0, request_id="R",
                             request=SimpleNamespace(num_tokens=2 * BS))
     assert policy.may_admit(state, 0) is True
-    live = LazyStorePolicy(View([(1, k[0]), (2, k[1])], dead=set()))
+    live = lazy_under_pressure(View([(1, k[0]), (2, k[1])], dead=set()))
     assert live.may_admit(state, 0) is False  # the same frontier, alive: defer once and save it
 
 

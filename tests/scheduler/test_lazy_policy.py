@@ -2,7 +2,7 @@
 their LRU position, and a CPU copy of a block resident on the GPU gives way."""
 
 import pytest
-from helpers import FakeRequest, admit, make_scheduler, report, step_done
+from helpers import FakeRequest, admit, make_scheduler, put_under_pressure, report, step_done
 
 from offload_connector.hashing import with_group_id
 
@@ -10,10 +10,17 @@ BS = 4
 
 
 def compute_and_free(sched, gpu, req):
-    """The engine computes `req` fully, caches its full blocks on the GPU and finishes it."""
+    """The engine computes `req` fully, caches its full blocks on the GPU and finishes it. Under pressure
+    lazy stores nothing while the blocks are in use; while the CPU tier has room it stores every computed
+    block, as eager does (that store completes here)."""
     _, _, ids = admit(sched, gpu, req)
+    under_pressure = sched.policy.under_pressure
     meta = sched.build_connector_meta([step_done(req.request_id, ids, req.num_tokens)])
-    assert meta.store_event is None  # lazy: nothing is stored while the blocks are in use
+    if under_pressure:
+        assert meta.store_event is None
+    else:
+        assert meta.store_gpu_blocks == ids[:req.num_tokens // BS]
+        sched.update_connector_output(report(completed_store_events=[meta.store_event]))
     for gpu_id, h in zip(ids, req.block_hashes, strict=False):
         gpu.cache(gpu.blocks[gpu_id], with_group_id(h))
     sched.request_finished(req)
@@ -24,6 +31,7 @@ def compute_and_free(sched, gpu, req):
 def test_lazy_stores_only_near_the_eviction_frontier():
     sched, gpu = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=20, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=4)
+    put_under_pressure(sched)
     a_ids = compute_and_free(sched, gpu, FakeRequest("A", list(range(8)), BS))  # 2 full blocks
     # free queue now: 3 4 5 6 7 8 (never used) then A's blocks, tail first: 2 1
     meta = sched.build_connector_meta([])
@@ -38,18 +46,20 @@ def test_lazy_stores_only_near_the_eviction_frontier():
 
 
 def lazy_with_a_stored_prefix(pressure: bool):
-    """A lazy scheduler whose CPU tier holds A's two blocks; with `pressure`, storing them evicted others."""
-    sched, gpu = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=3 if pressure else 20, block_size=BS,
+    """A lazy scheduler whose CPU tier holds A's two blocks (and nothing else), under pressure or not."""
+    sched, gpu = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=20, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=20)
-    stories = [FakeRequest("X", list(range(50, 59)), BS)] if pressure else []
-    for req in stories + [FakeRequest("A", list(range(9)), BS)]:
-        compute_and_free(sched, gpu, req)
-        meta = sched.build_connector_meta([])
+    if pressure:
+        put_under_pressure(sched)
+    compute_and_free(sched, gpu, FakeRequest("A", list(range(9)), BS))  # stored now, without pressure
+    meta = sched.build_connector_meta([])  # under pressure: A's blocks lie within the 20-block lookahead
+    if meta.store_event is not None:
         sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    assert len(sched.cpu_pool.cached) == 2
     for blk in list(gpu.free_queue):  # the GPU copies get evicted
         gpu.uncache(blk)
-    sched.build_connector_meta([])  # a step: the policy notices the evictions (or their absence)
-    assert (sched.cpu_pool.num_evictions > 0) == pressure
+    sched.build_connector_meta([])
+    assert sched.policy.under_pressure == pressure
     return sched, gpu
 
 
@@ -62,8 +72,9 @@ def test_lazy_loaded_cpu_copy_gives_way_under_pressure(pressure):
     meta = sched.build_connector_meta([])
     sched.update_connector_output(report(finished_load_reqs=["B"]))
     again = sched.get_num_new_matched_tokens(FakeRequest("C", list(range(9)), BS), 0)
-    if pressure:  # the GPU holds them now: the CPU copies are forgotten and their blocks go first
-        assert [b.block_id for b in sched.cpu_pool.free_queue][:2] == meta.load_cpu_blocks
+    if pressure:  # the GPU holds them now: the CPU copies are forgotten (empty room, taken before content)
+        assert all(sched.cpu_pool.blocks[i].block_hash is None for i in meta.load_cpu_blocks)
+        assert not sched.cpu_pool.cached
         assert again == (0, False)
     else:  # room to spare: the copies stay hit-able
         assert again == (8, True)
@@ -105,6 +116,7 @@ def test_lazy_gpu_hit_discards_the_cpu_copy_under_pressure(pressure):
 def test_lazy_holds_a_finished_requests_blocks_when_the_pool_is_nearly_full():
     sched, gpu = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=8)
+    put_under_pressure(sched)
     a = FakeRequest("A", list(range(9)), BS)
     _, _, ids = admit(sched, gpu, a)
     assert sched.build_connector_meta([step_done("A", ids, 9)]).store_event is None
@@ -128,6 +140,7 @@ def test_a_held_block_saved_meanwhile_is_released_not_stored_again():
     hold is still released. Found by test_remote_state_machine."""
     sched, gpu = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=8)
+    put_under_pressure(sched)
     a = FakeRequest("A", list(range(9)), BS)
     _, _, ids = admit(sched, gpu, a)
     sched.build_connector_meta([step_done("A", ids, 9)])
@@ -150,6 +163,7 @@ def test_lazy_defers_an_admission_that_would_evict_unsaved_blocks_once():
     blocks its allocation takes; it is deferred at most once."""
     sched, gpu = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=20, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=1)
+    put_under_pressure(sched)
     a_ids = compute_and_free(sched, gpu, FakeRequest("A", list(range(8)), BS))  # 2 cached blocks
     gpu.touch([gpu.blocks[i] for i in (3, 4, 5, 6, 7)])  # the frontier is now 8, then A's 2 and 1
     meta = sched.build_connector_meta([])
@@ -168,6 +182,7 @@ def test_lazy_defers_an_admission_that_would_evict_unsaved_blocks_once():
 def test_lazy_defers_a_request_at_most_once():
     sched, gpu = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=20, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=1)
+    put_under_pressure(sched)
     compute_and_free(sched, gpu, FakeRequest("A", list(range(8)), BS))
     gpu.touch([gpu.blocks[i] for i in (3, 4, 5, 6, 7, 8)])
     big = FakeRequest("B", list(range(100, 108)), BS)
@@ -183,6 +198,7 @@ def test_lazy_defers_a_request_at_most_once():
 def test_lazy_does_not_defer_for_blocks_the_cpu_tier_cannot_take():
     sched, gpu = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=2, block_size=BS,  # one usable CPU block
                                 store_policy="lazy", lazy_lookahead_blocks=1)
+    put_under_pressure(sched)
     compute_and_free(sched, gpu, FakeRequest("A", list(range(8)), BS))
     gpu.touch([gpu.blocks[i] for i in (3, 4, 5, 6, 7, 8)])
     assert sched.get_num_new_matched_tokens(FakeRequest("B", list(range(100, 108)), BS), 0) == (0, False)
@@ -207,6 +223,7 @@ def test_a_preempted_request_finished_before_readmission_holds_nothing():
     blocks under A's keys: they hold B's KV now (a later hit on A's prompt would read it)."""
     sched, gpu = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=20, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=16)
+    put_under_pressure(sched)
     a = FakeRequest("A", list(range(12)), BS)
     # 1. A runs: its 3 full blocks are computed and cached on the GPU.
     _, _, a_ids = admit(sched, gpu, a)

@@ -5,7 +5,7 @@ next step. Through the scripted `StorePolicyView` of test_mutation_kills_schedul
 
 from __future__ import annotations
 
-from helpers import FakeRequest, make_scheduler, store_and_finish
+from helpers import FakeRequest, lazy_under_pressure, make_scheduler, put_under_pressure, store_and_finish
 from test_mutation_kills_scheduler_lazy import BS, ScriptedView, empty, key, unsaved
 
 from offload_connector.hashing import with_group_id
@@ -43,7 +43,7 @@ def test_an_admissions_own_free_gpu_hits_do_not_count_as_blocks_it_takes():
     state = state_of(4, gpu_hit_blocks=2)  # allocates 2 new blocks
     own = [with_group_id(h) for h in state.request.block_hashes[:2]]
     view = ScriptedView(frontier=[(1, own[0]), (2, own[1])] + empty(10, 1) + unsaved(20, 5), saved=set(own))
-    policy = LazyStorePolicy(view)
+    policy = lazy_under_pressure(view)
     assert not policy.may_admit(state, 0)
     assert step(policy) == [20, 21]  # the lookahead of 1 plus a span of 4: blocks 1, 2, 10, 20, then 21
 
@@ -53,7 +53,7 @@ def test_saved_blocks_beyond_an_admissions_own_gpu_hits_let_it_through():
     own = [with_group_id(h) for h in state.request.block_hashes[:2]]
     view = ScriptedView(frontier=[(1, own[0])] + unsaved(20, 2) + [(2, own[1])] + unsaved(30, 1))
     view.saved = {key(20), key(21)}
-    assert LazyStorePolicy(view).may_admit(state, 0)  # takes 20 and 21 (saved); 30 stays
+    assert lazy_under_pressure(view).may_admit(state, 0)  # takes 20 and 21 (saved); 30 stays
 
 
 # ---- what the lookahead follows -------------------------------------------------------------------------------
@@ -62,7 +62,7 @@ def test_a_lone_admission_weighs_on_the_lookahead_only_through_a_mean():
     does not make every later step save twice its size ahead: the step's largest admission enters a mean
     (a tenth of it the first step); the decode blocks still enter the peak."""
     view = ScriptedView(lazy_lookahead_blocks=None, frontier=unsaved(1, 500), cpu_free=1000)
-    policy = LazyStorePolicy(view)
+    policy = lazy_under_pressure(view)
     admitted(policy, 100, 100)
     assert len(step(policy)) == 2 * 10  # not 2 x 100
     admitted(policy, 100, 100, "a")
@@ -74,7 +74,7 @@ def test_admissions_among_many_running_requests_count_in_the_peak():
     """With several requests running, their allocations move the frontier before a deferred request's turn
     the next step: the lookahead follows the whole step's allocations, admissions included."""
     view = ScriptedView(lazy_lookahead_blocks=None, frontier=unsaved(1, 500), cpu_free=1000)
-    policy = LazyStorePolicy(view)
+    policy = lazy_under_pressure(view)
     a = admitted(policy, 100, 100, "a")
     b = admitted(policy, 30, 30, "b")
     for state in (a, b):
@@ -86,7 +86,7 @@ def test_a_prompt_still_being_allocated_is_saved_ahead_and_kept_out_of_the_looka
     """A request in chunked prefill allocates the rest of its prompt over the next steps: the next store
     saves that much more of the frontier, and the chunk it then takes does not raise the lookahead."""
     view = ScriptedView(lazy_lookahead_blocks=None, frontier=unsaved(1, 500), cpu_free=1000)
-    policy = LazyStorePolicy(view)
+    policy = lazy_under_pressure(view)
     state = state_of(60)
     state.gpu_block_ids = list(range(1000, 1020))  # 20 of its 60 blocks so far
     policy.on_scheduled(state, 20 * BS)
@@ -101,7 +101,7 @@ def test_a_loading_requests_prompt_rest_is_saved_at_its_admission():
     """A CPU hit is loaded first; the rest of the prompt is allocated when the load is done (the next step):
     the admission's store saves it already."""
     view = ScriptedView(lazy_lookahead_blocks=None, frontier=unsaved(1, 500), cpu_free=1000)
-    policy = LazyStorePolicy(view)
+    policy = lazy_under_pressure(view)
     state = state_of(50)
     state.gpu_block_ids = list(range(1000, 1030))  # 30 blocks to load into; 20 more come after the load
     state.pending_hit = PendingHit([], 0)
@@ -116,7 +116,7 @@ def test_a_deferred_request_goes_through_blind_only_the_very_next_step():
     engine did not reach it), other allocations have moved the frontier: it is checked again, and deferred
     again while it would evict unsaved blocks, up to MAX_DEFERRALS times."""
     view = ScriptedView(frontier=unsaved(1, 50))
-    policy = LazyStorePolicy(view)
+    policy = lazy_under_pressure(view)
     state = state_of(3)
     assert not policy.may_admit(state, 0)
     state.num_deferrals += 1  # what the scheduler does on a deferral
@@ -141,7 +141,7 @@ def test_a_deferred_request_goes_through_blind_only_the_very_next_step():
 
 def test_a_deferred_request_asked_again_within_the_step_adds_no_second_span():
     view = ScriptedView(frontier=unsaved(1, 50))
-    policy = LazyStorePolicy(view)
+    policy = lazy_under_pressure(view)
     state = state_of(3)
     assert not policy.may_admit(state, 0)
     assert not policy.may_admit(state, 0)  # still deferred: this step's store saves its span once
@@ -183,6 +183,7 @@ def test_a_deferrals_stores_never_evict_the_cpu_copies_of_the_blocks_its_admissi
     C must evict other copies (B's): evicting A's would lose A when the admission drops it from the GPU
     next step (all 1,283 blocks one agentic replay lost one at a time were lost that way)."""
     sched, gpu = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=9, store_policy="lazy", lazy_lookahead_blocks=1)
+    put_under_pressure(sched)
     a, b, c = ([key(100 * g + i) for i in range(4)] for g in (1, 2, 3))
     cache_on_cpu(sched, a)
     cache_on_cpu(sched, b)  # the CPU tier is full; A's copies are the least recently used

@@ -5,7 +5,7 @@ Stories in the style of test_scheduler_scenarios.py: one behaviour each, numbere
 
 from __future__ import annotations
 
-from helpers import FakeRequest, admit, make_scheduler, report, step_done
+from helpers import FakeRequest, admit, make_scheduler, put_under_pressure, report, step_done
 
 from offload_connector.hashing import with_group_id
 from scheduler_side import BlockPool
@@ -93,6 +93,7 @@ def test_reset_cache_forgets_everything_stored_or_being_stored():
 def test_reset_cache_says_false_while_the_lazy_policy_holds_unsaved_blocks():
     sched, gpu = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=8)
+    put_under_pressure(sched)  # lazy's frontier mode
     a = FakeRequest("A", list(range(9)), BS)
     _, _, ids = admit(sched, gpu, a)
     sched.build_connector_meta([step_done("A", ids, 9)])
@@ -231,6 +232,7 @@ def test_a_block_whose_request_is_gone_returns_to_the_gpu_queue_as_most_recently
 def test_lazy_held_blocks_go_to_the_head_of_the_gpu_queue_once_saved():
     sched, gpu = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=8)
+    put_under_pressure(sched)  # lazy's frontier mode
     a = FakeRequest("A", list(range(9)), BS)
     _, _, ids = admit(sched, gpu, a)
     sched.build_connector_meta([step_done("A", ids, 9)])
@@ -249,10 +251,9 @@ def test_lazy_keeps_a_loaded_blocks_cpu_copy_as_most_recently_used_without_press
     for rid, first in (("A", 0), ("C", 100)):  # A's 2 full blocks on the CPU, then C's (more recent)
         req = FakeRequest(rid, list(range(first, first + 9)), BS)
         _, _, ids = admit(sched, gpu, req)
-        sched.build_connector_meta([step_done(rid, ids, 9)])
-        finish(sched, gpu, req, ids)
-        meta = sched.build_connector_meta([])  # its free blocks are within the lookahead: stored
+        meta = sched.build_connector_meta([step_done(rid, ids, 9)])  # no pressure: stored as computed
         sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+        finish(sched, gpu, req, ids)
     for blk in list(gpu.free_queue):
         gpu.uncache(blk)  # the GPU copies are evicted
     b = FakeRequest("B", list(range(9)), BS)
@@ -460,6 +461,7 @@ def test_lookup_counters_add_up():
 def test_lazy_deferred_lookups_add_up():
     sched, gpu = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=20, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=1)
+    put_under_pressure(sched)  # lazy's frontier mode
     a = FakeRequest("A", list(range(8)), BS)
     _, _, a_ids = admit(sched, gpu, a)
     sched.build_connector_meta([step_done("A", a_ids, 8)])
@@ -581,13 +583,15 @@ def test_admission_counters_add_up():
 # ---- lazy: the engine's step bound, and requests gone before their first step ----------------------------------
 def lazy_with_unsaved_frontier(num_unsaved: int, **scheduler_kwargs):
     """A lazy scheduler (adaptive lookahead) whose GPU free queue is exactly `num_unsaved` blocks holding
-    the engine's cached KV of an earlier prompt, none of it saved; 40 more GPU blocks are set aside."""
+    the engine's cached KV of an earlier prompt, none of it saved; 40 more GPU blocks are set aside. Under
+    pressure (lazy's frontier mode)."""
     from offload_connector.config import load_config
     from scheduler_side import BlockPoolGpuView, OffloadScheduler
 
     gpu = BlockPool(1 + 40 + num_unsaved)
     sched = OffloadScheduler(load_config({"num_cpu_blocks": 200, "store_policy": "lazy"}), BS, 200,
                              BlockPoolGpuView(gpu), **scheduler_kwargs)
+    put_under_pressure(sched)  # lazy's frontier mode
     reserved = gpu.allocate(40)
     earlier = FakeRequest("U", list(range(num_unsaved * BS)), BS)
     blocks = gpu.allocate(num_unsaved)

@@ -4,11 +4,10 @@ policy's estimate reads. Through the lazy tests' scripted `StorePolicyView` or a
 
 from __future__ import annotations
 
-from helpers import FakeRequest, admit, make_scheduler, report, step_done
+from helpers import FakeRequest, admit, lazy_under_pressure, make_scheduler, report, step_done
 from test_mutation_kills_scheduler_lazy import ScriptedView, unsaved
 
 from offload_connector.hashing import with_group_id
-from scheduler_side.policies.lazy import LazyStorePolicy
 from scheduler_side.request_state import RequestState
 
 BS = 4
@@ -32,7 +31,7 @@ def keys_of(state: RequestState, group: int = 0) -> list[bytes]:
 # ---- what a finishing request leaves held -----------------------------------------------------------------
 def test_held_blocks_fill_exactly_the_cpu_room_left_by_earlier_holds():
     view = ScriptedView(lazy_lookahead_blocks=8, gpu_free=2, cpu_free=5)
-    policy = LazyStorePolicy(view)
+    policy = lazy_under_pressure(view)
     assert policy.on_request_finished(finished(3)) == [10, 11, 12]
     second = finished(4, gpu_ids=[20, 21, 22, 23])
     second.request = FakeRequest("s", [100 + t for t in range(4 * BS)], BS)
@@ -45,31 +44,31 @@ def test_held_blocks_fill_exactly_the_cpu_room_left_by_earlier_holds():
 
 def test_nothing_is_held_once_the_gpu_free_queue_reaches_the_lookahead():
     for gpu_free, held in ((7, [10, 11]), (8, []), (9, [])):
-        policy = LazyStorePolicy(ScriptedView(lazy_lookahead_blocks=8, gpu_free=gpu_free, cpu_free=10))
+        policy = lazy_under_pressure(ScriptedView(lazy_lookahead_blocks=8, gpu_free=gpu_free, cpu_free=10))
         assert policy.on_request_finished(finished(2)) == held, gpu_free
 
 
 def test_a_single_free_cpu_block_still_takes_one_hold():
-    policy = LazyStorePolicy(ScriptedView(lazy_lookahead_blocks=8, gpu_free=0, cpu_free=1))
+    policy = lazy_under_pressure(ScriptedView(lazy_lookahead_blocks=8, gpu_free=0, cpu_free=1))
     assert policy.on_request_finished(finished(3)) == [10]
 
 
 def test_saved_and_null_blocks_are_skipped_not_the_end_of_the_scan():
     state = finished(4, gpu_ids=[10, 0, 12, 13])
     view = ScriptedView(lazy_lookahead_blocks=8, gpu_free=0, saved={keys_of(state)[0]})
-    assert LazyStorePolicy(view).on_request_finished(state) == [12, 13]
+    assert lazy_under_pressure(view).on_request_finished(state) == [12, 13]
 
 
 def test_holds_stop_at_the_last_hashed_or_computed_block():
     view = ScriptedView(lazy_lookahead_blocks=8, gpu_free=0)
-    assert LazyStorePolicy(view).on_request_finished(finished(4, hashed_blocks=2)) == [10, 11]
-    assert LazyStorePolicy(view).on_request_finished(finished(4, computed_blocks=3)) == [10, 11, 12]
+    assert lazy_under_pressure(view).on_request_finished(finished(4, hashed_blocks=2)) == [10, 11]
+    assert lazy_under_pressure(view).on_request_finished(finished(4, computed_blocks=3)) == [10, 11, 12]
 
 
 def test_held_blocks_are_stored_under_the_group_keys():
     state = finished(2)
     view = ScriptedView(lazy_lookahead_blocks=8, gpu_free=0, group_id=5)
-    policy = LazyStorePolicy(view)
+    policy = lazy_under_pressure(view)
     assert policy.on_request_finished(state) == [10, 11]
     picks = policy.pick_stores()
     assert picks.keys == keys_of(state, group=5) and picks.gpu_ids == [10, 11]
@@ -118,13 +117,13 @@ def test_a_store_event_is_outstanding_until_its_completion_is_reported():
 def test_a_request_with_nothing_left_to_allocate_is_never_deferred():
     view = ScriptedView(lazy_lookahead_blocks=1, frontier=unsaved(1, 8))
     state = RequestState(FakeRequest("r", list(range(2 * BS)), BS), num_gpu_hit_blocks=2)
-    assert LazyStorePolicy(view).may_admit(state, 0)
+    assert lazy_under_pressure(view).may_admit(state, 0)
 
 
 def test_a_completed_store_restores_the_frontier_up_to_its_last_stored_block():
     frontier = unsaved(1, 3)
     for event_id, stored, restored in ((1, [3], 3), (2, [2], 2), (3, [1], 1), (4, [], 0)):
-        policy = LazyStorePolicy(ScriptedView(lazy_lookahead_blocks=3, frontier=frontier))
+        policy = lazy_under_pressure(ScriptedView(lazy_lookahead_blocks=3, frontier=frontier))
         assert policy.pick_stores().gpu_ids == [1, 2, 3]
         policy.on_stores_emitted(event_id, stored)
         assert policy.on_store_complete(event_id) == frontier[:restored], stored
@@ -133,13 +132,13 @@ def test_a_completed_store_restores_the_frontier_up_to_its_last_stored_block():
 # ---- how many blocks a step picks: the CPU room ---------------------------------------------------------------
 def test_a_step_picks_no_more_unsaved_blocks_than_the_cpu_tier_has_room_for():
     for cpu_free in (0, 1, 2, 3):
-        policy = LazyStorePolicy(ScriptedView(lazy_lookahead_blocks=6, frontier=unsaved(1, 6), cpu_free=cpu_free))
+        policy = lazy_under_pressure(ScriptedView(lazy_lookahead_blocks=6, frontier=unsaved(1, 6), cpu_free=cpu_free))
         assert policy.pick_stores().gpu_ids == list(range(1, cpu_free + 1)), cpu_free
 
 
 def test_held_blocks_take_their_cpu_room_first():
     view = ScriptedView(lazy_lookahead_blocks=8, gpu_free=0, cpu_free=3)
-    policy = LazyStorePolicy(view)
+    policy = lazy_under_pressure(view)
     assert policy.on_request_finished(finished(2)) == [10, 11]
     view.frontier = unsaved(1, 6)
     picks = policy.pick_stores()
@@ -148,12 +147,12 @@ def test_held_blocks_take_their_cpu_room_first():
 
 def test_a_key_is_picked_once_even_if_two_free_blocks_hold_it():
     frontier = [(1, b"same"), (2, b"same"), (3, b"other")]
-    policy = LazyStorePolicy(ScriptedView(lazy_lookahead_blocks=6, frontier=frontier))
+    policy = lazy_under_pressure(ScriptedView(lazy_lookahead_blocks=6, frontier=frontier))
     assert policy.pick_stores().gpu_ids == [1, 3]
 
 
 def test_the_first_steps_lookahead_follows_exactly_what_it_allocated():
-    policy = LazyStorePolicy(ScriptedView(lazy_lookahead_blocks=None))
+    policy = lazy_under_pressure(ScriptedView(lazy_lookahead_blocks=None))
     assert policy.lookahead == 16  # the floor
     policy.on_blocks_allocated(10)
     policy.pick_stores()

@@ -40,10 +40,10 @@ from vllm.config import KVTransferConfig  # noqa: E402
 from offload_connector.vllm.compat import in_process_scheduler  # noqa: E402
 
 BS = 32
-# Eager: these stories count stores as blocks are computed (a block completed in a step with drafts is stored
-# once accepted) and one lookup per hit; lazy stores near eviction and may look a request up again.
+# The default store policy: with 64 MiB the CPU tier never evicts, so lazy stores blocks as they are computed
+# (a block completed in a step with drafts is stored once accepted), and nothing is held at the end (idle).
 OURS = {"kv_connector": "OffloadConnector", "kv_connector_module_path": "offload_connector.vllm_connector",
-        "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes": "64MiB", "store_policy": "eager"}}
+        "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes": "64MiB"}}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 EAGLE = {"method": "eagle", "num_speculative_tokens": 2}  # plus "model": a tiny_drafter directory
 SPEC_METHODS = ("ngram", "eagle")
