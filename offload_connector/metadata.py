@@ -85,15 +85,10 @@ class TransferMetadata(msgspec.Struct, kw_only=True):
     store_keys: list[bytes] = msgspec.field(default_factory=list)  # only when a tier writes stored blocks
     store_after_load: bool = False  # the store writes host blocks this step's load reads: it goes after it
     tiers: list[TierOps] = msgspec.field(default_factory=list)  # lower tiers with work this step, nearest first
-    fetch_event: int | None = None  # (being replaced by `tiers`)
-    fetch_cpu_blocks: list[int] = msgspec.field(default_factory=list)
-    fetch_keys: list[bytes] = msgspec.field(default_factory=list)
-    write_cpu_blocks: list[int] = msgspec.field(default_factory=list)
-    write_keys: list[bytes] = msgspec.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return (self.load_event is None and self.store_event is None and self.fetch_event is None
+        return (self.load_event is None and self.store_event is None
                 and all(ops.fetch_event is None for ops in self.tiers))
 
 
@@ -118,17 +113,13 @@ class WorkerReport(msgspec.Struct, kw_only=True):
     expired_load_events: list[int] = msgspec.field(default_factory=list)
     ended_load_events: list[int] = msgspec.field(default_factory=list)
     tiers: list[TierReport] = msgspec.field(default_factory=list)  # lower tiers with news (none empty)
-    completed_fetch_events: list[int] = msgspec.field(default_factory=list)  # (being replaced by `tiers`)
-    failed_fetch_cpu_blocks: list[int] = msgspec.field(default_factory=list)
-    remote_counters: dict[str, int] = msgspec.field(default_factory=dict)
-    remote_written_keys: list[bytes] = msgspec.field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         """No transfer completed (a tier's counters and written keys alone do not count)."""
         return not (self.finished_load_reqs or self.completed_store_events or self.failed_store_events
                     or self.failed_load_gpu_blocks or self.expired_load_events or self.ended_load_events
-                    or self.completed_fetch_events or any(t.completed_fetch_events for t in self.tiers))
+                    or any(t.completed_fetch_events for t in self.tiers))
 
 
 _meta_encoder = msgspec.msgpack.Encoder()
