@@ -1,8 +1,9 @@
 """The lower tiers' identity under vLLM: what two instances must share for their blocks to be byte-compatible.
 
 `vllm_tier_identity(vllm_config, kv_cache_config, shape)` builds the `TierIdentity` both roles hand every
-lower tier (offload_connector/tier_identity.py; the remote tier keys the server with it). Model fingerprint: model, revision, dtype, KV-cache dtype, block size, the
-prefix-caching hash algorithm and the seed of vLLM's NONE_HASH (the root of every block-hash chain). Layout
+lower tier (offload_connector/tier_identity.py; the remote tier keys the server with it). Model
+fingerprint: model, revision, dtype, KV-cache dtype, block size, the prefix-caching hash algorithm and the
+seed of vLLM's NONE_HASH (the root of every block-hash chain). Layout
 fingerprint: the KV-cache spec (class, heads, head size, dtype), the layers in registration order, vLLM's
 KV-cache layout and the tensor-parallel size: a rank's block bytes are in that order in the host pool.
 
