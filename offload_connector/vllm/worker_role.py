@@ -87,8 +87,7 @@ class WorkerRole:
 
     def start_load_kv(self, meta: TransferMetadata | None) -> None:
         self._check_registered(meta, "start_load_kv")
-        if meta is not None and (meta.load_event is not None or meta.fetch_event is not None
-                                 or meta.write_cpu_blocks):
+        if meta is not None and (meta.load_event is not None or meta.tiers):
             self.worker.start_load(meta)  # also issues the lower tiers' fetches
 
     def wait_for_save(self, meta: TransferMetadata | None) -> None:

@@ -4,7 +4,7 @@ The CPU tier (`OffloadScheduler`) holds the configured lower tiers in a list, ne
 (offload_connector/lower_tiers.py), built by name from registry.py, and talks to them only through this
 interface. A lower tier never touches the GPU: its blocks come into the CPU tier (a *fetch*, tier -> host
 pool) and from there the normal CPU -> GPU load follows; it receives copies of CPU blocks (a *write*, host
-pool -> tier). Every method runs on the scheduler's thread, once per call, and must not block on I/O (ask
+pool -> tier). Every method runs on the scheduler's thread and must not block on I/O (ask
 a thread of your own, as the Redis tier does, and answer "wait" meanwhile).
 
 Per step, in this order (scheduler.py):
@@ -18,7 +18,8 @@ Per step, in this order (scheduler.py):
 2. allocation: to fetch n blocks the tier takes CPU blocks through `TierContext.allocate_cpu` (evicting,
    fewer when the pool is pinned full), and reserves them under their keys (`BlockPool.reserve`): not
    hit-able, not evictable. The CPU pool may tell a tier of each block it evicts (`on_cpu_evict`, when
-   `wants_cpu_evictions`): the block's bytes are valid until this step's copies start.
+   `wants_cpu_evictions`): the block's bytes are valid until this step's copies start, its key only
+   during the call (take `block.block_hash` then: the block is reused at once, reserved under another).
 3. `emit(meta)`, after every CPU allocation of the step: append this step's `TierOps` to `meta.tiers`
    (nothing when idle): one fetch event (the blocks reserved in 2), the evicted blocks to write, and
    `write_stored` for this step's store event when `writes_stored()` (then `meta.store_keys` is filled by
@@ -65,8 +66,9 @@ from scheduler_side.request_state import RequestState
 
 @dataclass(frozen=True, slots=True)
 class TierContext:
-    """What the scheduler lends a lower tier: the CPU pool (reserve, commit, abort, free: only blocks the
-    tier allocated), the one way to allocate CPU blocks, and the shape of the deployment."""
+    """What the scheduler lends a lower tier: the CPU pool (reserve, commit, abort and free only the blocks
+    the tier allocated; `touch` then `free` cached ones to keep them through its own allocation), the one
+    way to allocate CPU blocks, and the shape of the deployment."""
 
     identity: TierIdentity  # what the tier's keys or records must name (the adapter's)
     cpu_pool: BlockPool
@@ -110,8 +112,8 @@ class LowerTier(ABC):
 
     # ---- 2.-3. the step ----------------------------------------------------------------------------
     def on_cpu_evict(self, block: Block) -> None:
-        """The CPU pool evicts `block` (its hash still set, its bytes valid until this step's copies start).
-        Called only when `wants_cpu_evictions`; a tier that sets it implements this."""
+        """The CPU pool evicts `block`: its hash is still set now (keep it: the block is reused at once), its
+        bytes valid until this step's copies start. Called only when `wants_cpu_evictions`."""
         raise SchedulerError(f"the {self.name} tier wants CPU evictions but does not take them (our bug)")
 
     def writes_stored(self) -> bool:

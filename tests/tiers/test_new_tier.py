@@ -16,6 +16,7 @@ import pytest
 from memory_tier import STORES, MemoryTier, checksum, registered, with_memory
 from remote_helpers import clean, one_per_prefix, prefixes, reference_outputs
 
+from offload_connector.config import OffloadConfig
 from offload_connector.fake_engine import FakeEngine
 from offload_connector.fake_engine.workload import run_workload, small_config
 from offload_connector.lower_tiers import LOWER_TIERS
@@ -38,6 +39,7 @@ def tier_counter(engine: FakeEngine, name: str) -> int:
 def test_both_registries_serve_every_configured_tier_in_cascade_order() -> None:
     assert tuple(TIERS) == tuple(TIER_IOS) == LOWER_TIERS
     for name in LOWER_TIERS:
+        assert name in OffloadConfig.__struct_fields__ and getattr(OffloadConfig(), name) is None  # off by default
         assert issubclass(TIERS[name], LowerTier) and TIERS[name].name == name
         assert issubclass(TIER_IOS[name], TierIO) and TIER_IOS[name].name == name
         assert len(set(TIERS[name].COUNTERS)) == len(TIERS[name].COUNTERS)
