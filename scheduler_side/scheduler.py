@@ -264,10 +264,10 @@ class OffloadScheduler:
     def num_inflight_transfers(self) -> int:
         """Transfers in flight or queued (the engine should keep stepping until this is zero)."""
         return (self.transfers.num_in_flight() + self.policy.num_held_blocks
-                + sum(tier.num_events for tier in self._tiers))
+                + (sum(tier.num_events for tier in self._tiers) if self._tiers else 0))
 
     def is_idle(self) -> bool:
-        if any(tier.num_events for tier in self._tiers):
+        if self._tiers and any(tier.num_events for tier in self._tiers):
             return False
         return not self.policy.num_held_blocks and self.transfers.is_quiet()
 

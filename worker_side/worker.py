@@ -153,8 +153,7 @@ class OffloadWorker:
             self.backend.begin_step()
 
     def start_load(self, meta: TransferMetadata) -> None:
-        """Issue this step's load (host pool -> KV cache) and lower tiers' fetches without waiting for them;
-        first hand the tiers the blocks the CPU tier evicted this step for writing (write-back tiers)."""
+        """Issue this step's lower-tier ops (`start_tier_ops`), then its load (host pool -> KV cache); no wait."""
         if meta.tiers:
             self.start_tier_ops(meta.tiers)
         if meta.load_event is None:
@@ -289,7 +288,8 @@ class OffloadWorker:
             else:
                 report.failed_store_events.append(rec.event_id)
         self._expire_loads(report)
-        report.tiers = [t for t in (io.take_report() for io in self.tier_ios.values()) if not t.is_empty]
+        if self.tier_ios:
+            report.tiers = [t for t in (io.take_report() for io in self.tier_ios.values()) if not t.is_empty]
         return report
 
     def _time_to_deadline(self, job_ids: Sequence[int]) -> float | None:

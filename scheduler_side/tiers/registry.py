@@ -7,12 +7,14 @@ registered tier's counters from start-up, configured or not (`TIERS`).
 
 from __future__ import annotations
 
-from offload_connector.lower_tiers import LOWER_TIERS, lower_tier_sections
+from offload_connector.lower_tiers import lower_tier_sections
 from scheduler_side.tiers.base import LowerTier, TierContext
 from scheduler_side.tiers.remote.tier import RemoteTier
 
-TIERS: dict[str, type[LowerTier]] = {cls.name: cls for cls in (RemoteTier,)}
-TIERS = {name: TIERS[name] for name in LOWER_TIERS}  # in cascade order (a KeyError here: register it)
+# One entry per lower tier, in `LOWER_TIERS` order (nearest first); the key is the class's `name`.
+TIERS: dict[str, type[LowerTier]] = {
+    "remote": RemoteTier,
+}
 
 
 def make_lower_tiers(config: object, context: TierContext | None) -> dict[str, LowerTier]:

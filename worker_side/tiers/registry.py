@@ -5,14 +5,16 @@
 
 from __future__ import annotations
 
-from offload_connector.lower_tiers import LOWER_TIERS, lower_tier_sections
+from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.tier_identity import TierIdentity
 from worker_side.host_pool import HostPool
 from worker_side.tiers.base import TierIO
 from worker_side.tiers.remote_io import RemoteWorkerIO
 
-TIER_IOS: dict[str, type[TierIO]] = {cls.name: cls for cls in (RemoteWorkerIO,)}
-TIER_IOS = {name: TIER_IOS[name] for name in LOWER_TIERS}  # in cascade order (a KeyError here: register it)
+# One entry per lower tier, in `LOWER_TIERS` order (nearest first); the key is the class's `name`.
+TIER_IOS: dict[str, type[TierIO]] = {
+    "remote": RemoteWorkerIO,
+}
 
 
 def check_tier_identity(config: object, identity: TierIdentity | None) -> None:
