@@ -44,8 +44,10 @@ Ownership (the invariant that makes finish, preemption and reset safe at any poi
   block: it is forgotten everywhere, never offered as KV; the request that waited computes it.
 
 Stats: `COUNTERS` (running totals, `counter_values()` in that order, both sides summed) and `GAUGES`
-(`gauges()`), exported as `<name>_<counter>`, described by `DESCRIPTIONS`; `describe(section)` is the
-tier's part of the start-up line. A new tier: one module implementing this (and one implementing
+(`gauges()`), exported to vLLM as `<name>_<counter>` (every registered tier's, at 0 when it is off),
+described by `DESCRIPTIONS`, and listed per configured tier in the replay report. Capacity: the tier's
+budget goes into `describe(section)`, its part of the start-up line, and its occupancy and limit into its
+gauges (the Redis tier: `server_used_bytes`, `server_max_bytes`). A new tier: one module implementing this (and one implementing
 worker_side/tiers/base.py), a config section, and a registration under the section's name.
 """
 

@@ -98,3 +98,21 @@ def test_a_record_that_fails_its_check_is_recomputed_never_loaded() -> None:
             assert b.stats.cpu_hit_tokens == 0 and not b.connector.check_integrity()
             outputs = b.outputs
     assert outputs == reference_outputs(wl_b)
+
+
+def test_the_replay_report_lists_each_configured_tiers_counters() -> None:
+    """`offload-connector replay --json` adds an object of counters per lower tier, under its name."""
+    from offload_connector.cli.replay import replay_config, run_replay
+    from offload_connector.cli.replay_report import format_report
+    from offload_connector.cli.trace import bundled_trace_path, read_trace
+
+    requests = read_trace(bundled_trace_path(), limit=40)
+    plain = run_replay(replay_config(None, gpu_blocks=64, cpu_blocks=64), requests, scaled=True).to_dict()
+    assert "memory" not in plain and "remote" not in plain
+    with registered():
+        config = with_memory(replay_config(None, gpu_blocks=64, cpu_blocks=64), f"store{next(_stores)}")
+        result = run_replay(config, requests, scaled=True)
+    out = result.to_dict()
+    assert out["integrity_errors"] == 0 and out["error"] is None
+    assert set(out["memory"]) == set(MemoryTier.COUNTERS) and out["memory"]["written_blocks"] > 0
+    assert "  memory      " in format_report(result)
