@@ -128,7 +128,7 @@ def run_fleet(trace, n: int, gpu_blocks: int, cpu_blocks: int, url: str | None, 
         if url is not None:
             remote = {}
             for e in engines:
-                for c in [e.connector.remote.counters] + [w.remote.counters for w in e.workers]:
+                for c in [e.connector.tiers["remote"].counters] + [w.tier_ios["remote"].counters for w in e.workers]:
                     for key, value in c.snapshot().items():
                         remote[key] = remote.get(key, 0) + value
             out["remote"] = remote
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(workdir)
         try:
             probe = FakeEngine(fleet_config(gpu, cpu, server.url, "probe"), keep_outputs=False)
-            bytes_per_block, key_len = probe.worker.bytes_per_block, len(probe.worker.remote.key(bytes(20)))
+            bytes_per_block, key_len = probe.worker.bytes_per_block, len(probe.worker.tier_ios["remote"].key(bytes(20)))
             probe.close()
             result["bytes_per_key"] = server.size_for(shared, key_len, HEADER_BYTES + bytes_per_block)
             for n in args.instances:

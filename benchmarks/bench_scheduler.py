@@ -141,7 +141,7 @@ def run_lockstep(arrivals: list[Arrival], args: argparse.Namespace,
     results = {v: summarize(f.sim, arrivals, timed_steps[v]) for v, f in feeds.items()}
     for v, f in feeds.items():
         offload = getattr(f.sim.sched.connector, "offload", None)  # ours only
-        remote = offload.remote if offload is not None else None
+        remote = offload.tiers.get("remote") if offload is not None else None
         if remote is not None:  # the lookup thread's CPU time is the scheduler process's too
             results[v]["lookup_thread_us_per_step"] = round(remote.lookups.cpu_seconds / max(1, f.sim.step_no) * 1e6, 1)
             results[v]["remote"] = remote.counters.snapshot()

@@ -65,8 +65,8 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from offload_connector.metadata import WorkerReport, decode_report, encode  # noqa: E402
-from offload_connector.remote.format import block_key  # noqa: E402
+from offload_connector.metadata import TierReport, WorkerReport, decode_report, encode  # noqa: E402
+from offload_connector.remote.format import block_key, key_prefix  # noqa: E402
 from offload_connector.vllm.connector import OffloadWorkerMetadata  # noqa: E402
 
 MODEL_DIR = str(Path(__file__).resolve().parent.parent / "tests" / "tiny_llama")
@@ -209,7 +209,8 @@ class OursRemoteWorker(OursWorker):
         meta = out.kv_connector_metadata.transfer
         if meta.store_event is not None:
             self.store_keys[meta.store_event] = list(meta.store_keys)
-        done_fetches, self.fetches = self.fetches, ([meta.fetch_event] if meta.fetch_event is not None else [])
+        fetch = next((ops.fetch_event for ops in meta.tiers if ops.tier == "remote"), None)
+        done_fetches, self.fetches = self.fetches, ([fetch] if fetch is not None else [])
         kv_out = super().output(out, step)
         report = decode_report(kv_out.kv_connector_worker_meta.reports[0]) if kv_out.kv_connector_worker_meta \
             else WorkerReport()
@@ -218,7 +219,8 @@ class OursRemoteWorker(OursWorker):
             for key in self.store_keys.pop(event, ()):
                 pipe.set(block_key(self.key_prefix, 0, 1, key), b"x", ex=600)
         pipe.execute()
-        report.completed_fetch_events = done_fetches
+        if done_fetches:
+            report.tiers.append(TierReport(tier="remote", completed_fetch_events=done_fetches))
         worker_meta = None if report.is_empty else OffloadWorkerMetadata(reports=[encode(report)])
         return KVConnectorOutput(finished_recving=kv_out.finished_recving, kv_connector_worker_meta=worker_meta)
 
@@ -249,7 +251,7 @@ class NoWorker(FakeWorker):
 def make_worker(variant: str, load_delay: int | None, store_delay: int, sched: Scheduler | None = None,
                 url: str | None = None) -> FakeWorker:
     if variant == REMOTE_VARIANT:
-        prefix = sched.connector.offload.remote_identity.key_prefix("sim")
+        prefix = key_prefix(sched.connector.offload.tier_identity, "sim")
         return OursRemoteWorker(0 if load_delay is None else load_delay, store_delay, prefix, url)
     if variant == "ours":
         return OursWorker(0 if load_delay is None else load_delay, store_delay)

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.remote.config import RemoteConfig, check_remote
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -71,7 +72,7 @@ class EngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     num_cpu_blocks: Annotated[int, msgspec.Meta(ge=2)] | None = None
     # Hybrid mode (a model like Gemma 2 under vLLM's hybrid KV cache manager): odd layers attend only to the
     # last `sliding_window` tokens and form a second KV-cache group. Needs num_layers >= 2, store_policy
-    # eager and no remote tier. None: every layer is full attention (one group).
+    # eager and no lower tier. None: every layer is full attention (one group).
     sliding_window: PositiveInt | None = None
 
 
@@ -216,8 +217,8 @@ def _validate(cfg: OffloadConfig) -> OffloadConfig:
         if cfg.store_policy != "eager":
             raise ConfigError("store_policy", cfg.store_policy, "eager with engine.sliding_window",
                               "several KV-cache groups")
-        if cfg.remote is not None:
-            raise ConfigError("remote", "a remote section", "none with engine.sliding_window",
+        for name, _ in lower_tier_sections(cfg):  # each lower tier serves one KV-cache group
+            raise ConfigError(name, f"a {name} section", "none with engine.sliding_window",
                               "several KV-cache groups")
     if cfg.remote is not None:
         problem = check_remote(cfg.remote)

@@ -18,7 +18,8 @@ completes loads and stores.
 Mutates: `Transfers` (completed load jobs and store events leave it, a finished request's state with its
 load, expired load events come and go), the requests' phase (LOADING -> RUNNING), CPU blocks (committed,
 aborted, uncached, freed), GPU references (released, or taken for a quarantine), the transfer counters of
-`SchedulerStats`, the KV event log, and the remote tier through its narrow `on_report`.
+`SchedulerStats`, the KV event log, and the lower tiers through `LowerTier.on_report` (a report for a tier
+this scheduler does not have raises `SchedulerError`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from offload_connector.metadata import WorkerReport
+from offload_connector.metadata import TierReport, WorkerReport
 from scheduler_side.errors import SchedulerError
 from scheduler_side.interfaces import GpuPool
 from scheduler_side.kv_events import KVEventLog
@@ -34,7 +35,7 @@ from scheduler_side.policies.store_policy import StorePolicy
 from scheduler_side.pool.block_pool import BlockPool
 from scheduler_side.request_state import LoadJob, Phase
 from scheduler_side.stats import SchedulerStats
-from scheduler_side.tiers.remote.tier import RemoteTier
+from scheduler_side.tiers.base import LowerTier
 from scheduler_side.transfers import ExpiredLoad, Transfers
 
 logger = logging.getLogger("scheduler_side.scheduler")
@@ -42,9 +43,9 @@ logger = logging.getLogger("scheduler_side.scheduler")
 
 class Completions:
     def __init__(self, transfers: Transfers, cpu_pool: BlockPool, gpu_pool: GpuPool, policy: StorePolicy,
-                 stats: SchedulerStats, kv_events: KVEventLog, remote: RemoteTier | None, world_size: int) -> None:
+                 stats: SchedulerStats, kv_events: KVEventLog, tiers: dict[str, LowerTier], world_size: int) -> None:
         self.transfers, self.cpu_pool, self.gpu_pool, self.policy = transfers, cpu_pool, gpu_pool, policy
-        self.stats, self.kv_events, self.remote, self.world_size = stats, kv_events, remote, world_size
+        self.stats, self.kv_events, self.tiers, self.world_size = stats, kv_events, tiers, world_size
 
     def update_connector_output(self, reports: WorkerReport | Iterable[WorkerReport]) -> None:
         """Apply worker reports (any number per rank; each names its rank). A load or store completes once
@@ -73,12 +74,17 @@ class Completions:
                 self._on_store_report(event_id, False, rank)
             for event_id in report.failed_store_events:
                 self._on_store_report(event_id, True, rank)
-            if (report.completed_fetch_events or report.remote_counters or report.remote_written_keys) and \
-                    self.remote is not None:
-                keys = self.remote.on_report(report)  # fetched blocks are now cached like stored ones
-                on_server = self.remote.take_on_server()
-                self.kv_events.stored(keys)
-                self.kv_events.stored(on_server, "REMOTE")
+            for tier_report in report.tiers:
+                self._on_tier_report(tier_report, rank)
+
+    def _on_tier_report(self, report: TierReport, rank: int) -> None:
+        tier = self.tiers.get(report.tier)
+        if tier is None:
+            raise SchedulerError(f"worker report from rank {rank} for the {report.tier!r} tier, which this "
+                                 f"scheduler does not have (it has: {sorted(self.tiers) or 'none'})")
+        keys = tier.on_report(report, rank)  # fetched blocks are now cached like stored ones
+        self.kv_events.stored(keys)
+        self.kv_events.stored(tier.take_written(), tier.medium)
 
     def _on_load_report(self, req_id: str, rank: int, failed_gpu_block_ids: set[int]) -> None:
         state = self.transfers.requests.get(req_id)

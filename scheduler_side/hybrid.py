@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 from offload_connector.config import OffloadConfig
 from offload_connector.hashing import group_suffix
+from offload_connector.lower_tiers import lower_tier_sections
 from scheduler_side.errors import SchedulerError
 from scheduler_side.groups import NULL_GPU_BLOCK, KVGroup, hybrid_hit_end
 from scheduler_side.interfaces import RequestLike
@@ -40,15 +41,15 @@ from scheduler_side.waits import asks_again_for_load, asks_again_for_store
 
 
 def check_groups_supported(config: OffloadConfig, groups: tuple[KVGroup, ...]) -> None:
-    """Several KV-cache groups need `store_policy: eager` and no `remote` tier; raises `ValueError` naming
+    """Several KV-cache groups need `store_policy: eager` and no lower tier; raises `ValueError` naming
     the key and what is allowed (before anything is allocated)."""
     if config.store_policy != "eager":
         raise ValueError(f"store_policy={config.store_policy!r} supports one KV-cache group; this model has "
                          f"{len(groups)} (a hybrid model); allowed with several groups: eager (or turn vLLM's "
                          "hybrid KV cache manager off: disable_hybrid_kv_cache_manager=True)")
-    if config.remote is not None:
-        raise ValueError(f"remote: the remote tier supports one KV-cache group; this model has {len(groups)} "
-                         "(a hybrid model); allowed with several groups: no remote section (or turn vLLM's "
+    for name, _ in lower_tier_sections(config):
+        raise ValueError(f"{name}: the {name} tier supports one KV-cache group; this model has {len(groups)} "
+                         f"(a hybrid model); allowed with several groups: no {name} section (or turn vLLM's "
                          "hybrid KV cache manager off: disable_hybrid_kv_cache_manager=True)")
 
 

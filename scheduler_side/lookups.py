@@ -2,14 +2,15 @@
 
 Walk the request's block keys after the GPU hit in the CPU prefix cache, stop at the first miss, and pin
 the run found (a pending hit) until allocation consumes it (allocations.py). A block of the run still
-being stored, another request's load of its first block, the remote tier still answering, or the store
+being stored, another request's load of its first block, a lower tier still answering, or the store
 policy deferring the request makes the engine ask again next step (None). Per call: O(blocks walked), no
 allocation but the pending hit's list.
 
 Mutates: the request's `RequestState` (created here on first sight: phase, pending hit, wait counters,
 GPU hit) in `Transfers.requests`; one CPU reference per pinned block (`drop_pending_hit` gives them back);
 the lookup counters of `SchedulerStats`; the eviction policy's hints on misses (policies that want them);
-the remote tier's waits (through its narrow `start`/`waiting`). Reads the store policy's `may_admit`.
+the lower tiers' waits (through `LowerTier.start`/`waiting`, nearest first). Reads the store policy's
+`may_admit`.
 With several KV-cache groups the walk past the common checks is hybrid.py's.
 """
 
@@ -26,17 +27,17 @@ from scheduler_side.pool.block import Block
 from scheduler_side.pool.block_pool import BlockPool
 from scheduler_side.request_state import PendingHit, Phase, RequestState
 from scheduler_side.stats import SchedulerStats
-from scheduler_side.tiers.remote.tier import RemoteTier
+from scheduler_side.tiers.base import LowerTier
 from scheduler_side.transfers import Transfers
 from scheduler_side.waits import asks_again_for_load, asks_again_for_store
 
 
 class Lookups:
     def __init__(self, transfers: Transfers, cpu_pool: BlockPool, policy: StorePolicy, stats: SchedulerStats,
-                 remote: RemoteTier | None, hybrid: HybridGroups | None, block_size: int, group_id: int,
+                 tiers: tuple[LowerTier, ...], hybrid: HybridGroups | None, block_size: int, group_id: int,
                  max_store_wait_steps: int) -> None:
         self.transfers, self.cpu_pool, self.policy, self.stats = transfers, cpu_pool, policy, stats
-        self.remote, self.hybrid = remote, hybrid
+        self.tiers, self.hybrid = tiers, hybrid  # the lower tiers, nearest first (empty: none)
         self.block_size, self.group_id, self.max_store_wait_steps = block_size, group_id, max_store_wait_steps
         self.hints = cpu_pool.free_queue.wants_hints  # misses cost a loop per lookup; only some policies learn
 
@@ -63,9 +64,9 @@ class Lookups:
                                  "while the first is still live (not finished); request ids must be unique")
         self.drop_pending_hit(state)
         self.stats.num_lookups += 1
-        if self.remote is not None and self.remote.waiting(state):
+        if self.tiers and any(tier.waiting(state) for tier in self.tiers):
             state.move_to(Phase.NEW)
-            return None, False  # its blocks are being looked up or fetched on the remote tier
+            return None, False  # its blocks are being looked up or fetched on a lower tier
 
         bs = self.block_size
         state.num_gpu_hit_blocks = num_computed_tokens // bs
@@ -89,9 +90,9 @@ class Lookups:
                 else:
                     if self.hints:
                         self._note_misses(hashes, i, last)
-                    if self.remote is not None and self.remote.start(state, hashes, i, last):
+                    if self.tiers and any(tier.start(state, hashes, i, last) for tier in self.tiers):
                         state.move_to(Phase.NEW)
-                        return None, False  # ask again once the remote tier answered
+                        return None, False  # ask again once the lower tier answered
                 break
             hits.append(block)
         if hits and hits[0].ref_cnt and asks_again_for_load(state, self.max_store_wait_steps, self.stats):

@@ -92,18 +92,6 @@ class StoreEvent:
 
 
 @dataclass(slots=True)
-class RemoteWait:
-    """A request's one look at the remote tier (remote_tier.py): it waits (lookups answer None) while
-    `ticket` (the existence check) or `fetch_event` (the fetch it caused) is outstanding, until `deadline`."""
-
-    first_block: int  # the request's block index the remote run starts at (its first CPU miss)
-    deadline: float  # time.monotonic() after which the request stops waiting
-    ticket: int | None  # the existence check in flight, None once answered
-    fetch_event: int | None = None  # the fetch event bringing the run into the CPU tier
-    done: bool = False  # no longer waiting (answered, fetched, or timed out); never asks again
-
-
-@dataclass(slots=True)
 class RequestState:
     request: RequestLike
     gpu_block_ids: list[int] = field(default_factory=list)  # the request's blocks, in token order (group 0)
@@ -119,7 +107,6 @@ class RequestState:
     num_deferrals: int = 0  # lookups the store policy deferred to the next step (lazy: at most 4 in a row)
     num_store_waits: int = 0  # lookups answered "ask again" for a block being stored (bounded by config)
     num_load_waits: int = 0  # lookups answered "ask again" for another request's load of its first CPU block
-    remote: RemoteWait | None = None  # the remote tier's one lookup for this request (none without the tier)
     num_admitted_keys: int = 0  # block keys the admission filter has seen of this request (a cursor)
     hints: RequestHints | None = None  # its kv_transfer_params hints, read at its first admission
 

@@ -9,7 +9,7 @@ what they read, and the hooks below call them in vLLM's order (SPEC §4), per en
    the new GPU blocks.
 3. `build_connector_meta`: `Allocations.send_loads` (one load event for all new load jobs), then
    `Stores.schedule` and `Stores.emit` (stores.py: one store event for the store policy's picks), then
-   the remote tier's fetches and writes.
+   each lower tier's fetches and writes (`LowerTier.emit`).
 4. `update_connector_output` -> `Completions` (completions.py): each rank's report completes loads and
    stores (stores register CPU blocks); a transfer completes once every rank reported it once.
 5. `request_finished`: never delays the engine's block free; our references keep in-flight blocks alive.
@@ -25,19 +25,20 @@ Reference ownership (the invariant that makes abort/preempt/finish safe at any p
   keeps them: the engine frees a request's blocks only after `request_finished`);
 - a store event holds one reference on each of its GPU and CPU blocks until every rank reported it.
 No block with a transfer in flight is therefore ever in a free queue. Nothing here imports torch.
-With `config.remote` (and the adapter's `remote_identity`), a CPU miss may make the request wait for the
-remote tier, which fetches blocks into the CPU tier first (tiers/remote/tier.py; a fetch event holds its
-blocks).
+With lower tiers configured (`self.tiers`, nearest first, built by name by tiers/registry.py with the
+adapter's `tier_identity`), a CPU miss may make the request wait for one, which fetches blocks into the
+CPU tier first (tiers/base.py: a fetch event holds its blocks); the scheduler talks to them only through
+`LowerTier`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from offload_connector.config import OffloadConfig
 from offload_connector.hashing import group_suffix
 from offload_connector.metadata import TransferMetadata, WorkerReport
-from offload_connector.remote.format import RemoteIdentity
+from offload_connector.tier_identity import TierIdentity
 from scheduler_side.admission.filter import AdmissionFilter
 from scheduler_side.admissions import Admissions
 from scheduler_side.allocations import Allocations
@@ -56,7 +57,8 @@ from scheduler_side.pool.block_pool import BlockPool
 from scheduler_side.request_state import Phase
 from scheduler_side.stats import SchedulerStats
 from scheduler_side.stores import Stores
-from scheduler_side.tiers.remote.tier import RemoteTier, make_remote_tier
+from scheduler_side.tiers.base import LowerTier, TierContext
+from scheduler_side.tiers.registry import make_lower_tiers
 from scheduler_side.transfers import Transfers
 
 
@@ -64,19 +66,19 @@ class OffloadScheduler:
     def __init__(self, config: OffloadConfig, block_size: int, num_cpu_blocks: int, gpu_pool: GpuPool,
                  world_size: int = 1, group_id: int = 0, max_blocks_per_step: int | None = None,
                  num_gpu_blocks: int | None = None, emit_kv_events: bool = True,
-                 remote_identity: RemoteIdentity | None = None, groups: tuple[KVGroup, ...] | None = None) -> None:
+                 tier_identity: TierIdentity | None = None, groups: tuple[KVGroup, ...] | None = None) -> None:
         """`num_cpu_blocks`: the CPU tier per rank, the null block included (sizing.py computes it once for
         every face). `max_blocks_per_step`: the engine's allocation bound per step (lazy lookahead).
         `num_gpu_blocks`: the engine's GPU pool size (ARC and the admission filter remember GPU + CPU
         keys). `emit_kv_events`: keep BlockStored/BlockRemoved for `take_events` (off: none kept).
-        `remote_identity`: what the remote tier's keys name (config.remote only). `groups`: the model's
+        `tier_identity`: what the lower tiers' keys name (needed with any lower tier). `groups`: the model's
         KV-cache groups (groups.py); None: one full-attention group, `group_id`. Several groups (a hybrid
-        model) need store_policy eager and no remote tier."""
+        model) need store_policy eager and no lower tier."""
         if block_size <= 0 or world_size <= 0:
             raise ValueError(f"block_size={block_size} and world_size={world_size} must be positive")
         self.config, self.block_size, self.num_cpu_blocks, self.gpu_pool = config, block_size, num_cpu_blocks, gpu_pool
         self.world_size, self.max_blocks_per_step, self.num_gpu_blocks = world_size, max_blocks_per_step, num_gpu_blocks
-        self.remote_identity = remote_identity
+        self.tier_identity = tier_identity
         self.groups: tuple[KVGroup, ...] = groups or (KVGroup(group_id),)
         several_groups = len(self.groups) > 1
         if several_groups:
@@ -99,21 +101,25 @@ class OffloadScheduler:
             self.cpu_pool, gpu_pool, self.transfers.store_events, block_size, group_id, max_blocks_per_step,
             config.lazy_lookahead_blocks, self.admission, num_gpu_blocks)
         self.policy: StorePolicy = make_store_policy(config.store_policy, self.policy_view)
-        self.remote: RemoteTier | None = make_remote_tier(config.remote, remote_identity, self.cpu_pool,
-                                                          self.allocate_cpu, world_size, group_id)
+        context = None if tier_identity is None else TierContext(tier_identity, self.cpu_pool, self.allocate_cpu,
+                                                                 world_size, group_id)
+        self.tiers: dict[str, LowerTier] = make_lower_tiers(config, context)  # by name, nearest first
+        self._tiers = tuple(self.tiers.values())
+        evicting = [tier.on_cpu_evict for tier in self._tiers if tier.wants_cpu_evictions]
+        if evicting:  # write-back tiers copy out each block the CPU pool evicts
+            self.cpu_pool.on_evict_block = evicting[0] if len(evicting) == 1 else _fan_out(evicting)
 
         # The parts, in the order a step calls them.
         self.hybrid = (HybridGroups(self.groups, block_size, self.cpu_pool, self.policy, self.stats,
                                     config.max_store_wait_steps) if several_groups else None)
-        self.lookups = Lookups(self.transfers, self.cpu_pool, self.policy, self.stats, self.remote, self.hybrid,
+        self.lookups = Lookups(self.transfers, self.cpu_pool, self.policy, self.stats, self._tiers, self.hybrid,
                                block_size, group_id, config.max_store_wait_steps)
         self.allocations = Allocations(self.transfers, self.cpu_pool, self.policy, self.stats, self.admissions,
                                        self.hybrid, block_size, group_id)
         self.stores = Stores(self.transfers, self.cpu_pool, gpu_pool, self.policy, self.stats, self.hybrid,
-                             self.allocate_cpu, self.remote,
-                             config.remote is not None and config.remote.write == "on_store")
+                             self.allocate_cpu, self._tiers)
         self.completions = Completions(self.transfers, self.cpu_pool, gpu_pool, self.policy, self.stats,
-                                       self.kv_events, self.remote, world_size)
+                                       self.kv_events, self.tiers, world_size)
 
     def _on_cpu_evict(self, key: bytes, evicted: bool) -> None:
         """The CPU pool dropped `key`: evicted by allocation (`evicted`; the store policy hears of it) or
@@ -147,8 +153,8 @@ class OffloadScheduler:
         loaded = self.allocations.send_loads(meta)  # this step's load jobs: the store may take their slots
         self.stores.schedule(scheduled)
         self.stores.emit(meta, loaded)
-        if self.remote is not None:
-            self.remote.fill_meta(meta)  # after every allocation: the evicted blocks to write, if any
+        for tier in self._tiers:
+            tier.emit(meta)  # after every allocation: the evicted blocks to write, if any
         return meta
 
     def update_connector_output(self, reports: WorkerReport | Iterable[WorkerReport]) -> None:
@@ -157,7 +163,7 @@ class OffloadScheduler:
 
     def allocate_cpu(self, num: int) -> list[Block]:
         """Up to `num` CPU blocks, evicting cached ones as the eviction policy orders; fewer when the pool is
-        pinned full. Every CPU allocation goes through here (stores, the remote tier's fetches)."""
+        pinned full. Every CPU allocation goes through here (stores, the lower tiers' fetches)."""
         pool = self.cpu_pool
         before = pool.num_evictions
         blocks = pool.allocate(min(num, pool.num_free_blocks)) or []
@@ -176,8 +182,8 @@ class OffloadScheduler:
         if state is None or state.phase is Phase.FINISHED:
             return False, None
         self.lookups.drop_pending_hit(state)
-        if self.remote is not None:
-            self.remote.forget(state)
+        for tier in self._tiers:
+            tier.forget(state)
         self.admissions.admit_finished(state)
         hold = self.policy.on_request_finished(state)
         if hold:  # released by the policy's next pick_stores, after the store event took its own
@@ -224,8 +230,8 @@ class OffloadScheduler:
                 state.move_to(Phase.NEW)
         for event in transfers.store_events.values():
             event.failed = True
-        if self.remote is not None:
-            self.remote.fail_in_flight()
+        for tier in self._tiers:
+            tier.fail_in_flight()
         pool = self.cpu_pool
         for block in list(pool.cached.values()):
             if not pool.discard(block):  # held by a load in flight: keeps its place, loses its content key
@@ -265,10 +271,10 @@ class OffloadScheduler:
     def num_inflight_transfers(self) -> int:
         """Transfers in flight or queued (the engine should keep stepping until this is zero)."""
         return (self.transfers.num_in_flight() + self.policy.num_held_blocks
-                + (self.remote.num_events if self.remote is not None else 0))
+                + (sum(tier.num_events for tier in self._tiers) if self._tiers else 0))
 
     def is_idle(self) -> bool:
-        if self.remote is not None and self.remote.num_events:
+        if self._tiers and any(tier.num_events for tier in self._tiers):
             return False
         return not self.policy.num_held_blocks and self.transfers.is_quiet()
 
@@ -276,8 +282,8 @@ class OffloadScheduler:
         """Pool invariants plus: when idle, the connector holds no CPU references at all."""
         self.cpu_pool.check_integrity()
         held = self.transfers.held_cpu_block_ids()
-        if self.remote is not None:
-            held |= self.remote.held_block_ids()
+        for tier in self._tiers:
+            held |= tier.held_block_ids()
         for block in self.cpu_pool.blocks[1:]:
             if block.ref_cnt > 0 and block.block_id not in held:
                 raise SchedulerError(f"CPU {block} is referenced but no transfer or pending hit holds it")
@@ -285,6 +291,14 @@ class OffloadScheduler:
             raise SchedulerError(f"idle, yet {self.cpu_pool.num_held_blocks()} CPU blocks are still referenced")
 
     def close(self) -> None:
-        """Stop the remote tier's lookup thread (nothing else to release)."""
-        if self.remote is not None:
-            self.remote.close()
+        """Stop the lower tiers' threads (nothing else to release)."""
+        for tier in self._tiers:
+            tier.close()
+
+
+def _fan_out(listeners: list[Callable[[Block], None]]) -> Callable[[Block], None]:
+    """One eviction callback that tells every listener, in order."""
+    def hear_all(block: Block) -> None:
+        for hear in listeners:
+            hear(block)
+    return hear_all

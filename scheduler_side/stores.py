@@ -12,7 +12,8 @@ held for it, and tells the policy what was stored. A store the CPU tier has no r
 Mutates: scheduled requests' `RequestState` (blocks, computed tokens; the policy its store cursor),
 `Transfers.store_events` (a new event holds one reference on each of its GPU and CPU blocks), CPU blocks
 (taken, reserved, slots lent by loads: `LoadJob.lent`), GPU references (the event's; the policy's holds
-released), the store counters of `SchedulerStats`, and the metadata's store fields.
+released), the store counters of `SchedulerStats`, and the metadata's store fields (`store_keys` when a
+lower tier writes stored blocks).
 """
 
 from __future__ import annotations
@@ -28,17 +29,17 @@ from scheduler_side.pool.block import Block
 from scheduler_side.pool.block_pool import BlockPool
 from scheduler_side.request_state import LoadJob, StoreEvent
 from scheduler_side.stats import SchedulerStats
-from scheduler_side.tiers.remote.tier import RemoteTier
+from scheduler_side.tiers.base import LowerTier
 from scheduler_side.transfers import Transfers
 
 
 class Stores:
     def __init__(self, transfers: Transfers, cpu_pool: BlockPool, gpu_pool: GpuPool, policy: StorePolicy,
                  stats: SchedulerStats, hybrid: HybridGroups | None, allocate_cpu: Callable[[int], list[Block]],
-                 remote: RemoteTier | None, remote_writes_on_store: bool) -> None:
+                 tiers: tuple[LowerTier, ...]) -> None:
         self.transfers, self.cpu_pool, self.gpu_pool, self.policy = transfers, cpu_pool, gpu_pool, policy
         self.stats, self.hybrid, self.allocate_cpu = stats, hybrid, allocate_cpu
-        self.remote, self.remote_writes_on_store = remote, remote_writes_on_store  # (config remote.write)
+        self.tiers = tiers  # the lower tiers: one that writes stored blocks gets their keys
 
     def schedule(self, scheduled: Iterable[StepRequest]) -> None:
         """This step's scheduled requests: their new blocks and computed tokens, told to the policy."""
@@ -88,8 +89,8 @@ class Stores:
         meta.store_event = event.event_id
         meta.store_gpu_blocks = gpu_ids
         meta.store_cpu_blocks = [b.block_id for b in cpu_blocks]
-        if self.remote_writes_on_store and self.remote is not None and self.remote.enabled:
-            meta.store_keys = keys  # written to the remote tier once the store completed
+        if self.tiers and any(tier.writes_stored() for tier in self.tiers):
+            meta.store_keys = keys  # written to those tiers once the store completed
         return event
 
     def _reuse_load_slots(self, loaded: Sequence[LoadJob], num: int) -> list[Block]:

@@ -78,7 +78,7 @@ TARGETS = {
         tests=("tests/scheduler/test_*.py", "tests/engine/test_integrity.py", "tests/engine/test_fake_engine.py",
                "tests/engine/test_fake_engine_scenarios.py", "tests/remote/test_remote_scheduler.py",
                "tests/remote/test_remote_state_machine.py", "tests/remote/test_remote_client.py",
-               "tests/remote/test_remote_fake_engine.py", "tests/remote/test_mutation_kills_*.py"),
+               "tests/remote/test_remote_fake_engine.py", "tests/remote/test_mutation_kills_*.py", "tests/tiers/test_*.py"),
         description="scheduler_side/"),
 }
 

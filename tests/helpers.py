@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from offload_connector.config import load_config
 from offload_connector.hashing import hash_request_tokens, with_group_id
-from offload_connector.metadata import WorkerReport
+from offload_connector.metadata import TierOps, TierReport, TransferMetadata, WorkerReport
 from scheduler_side import BlockPool, BlockPoolGpuView, OffloadScheduler, StepRequest
 from scheduler_side.policies.lazy import LazyStorePolicy
 from scheduler_side.policies.store_policy import StorePolicyView
@@ -86,6 +86,16 @@ def step_done(req_id: str, ids: list[int], num_computed: int, replace: bool = Tr
 
 def report(**kw) -> WorkerReport:
     return WorkerReport(**kw)
+
+
+def tier_report(rank: int = 0, tier: str = "remote", **kw) -> WorkerReport:
+    """A worker report carrying one lower tier's news only (`TierReport` fields as keywords)."""
+    return WorkerReport(rank=rank, tiers=[TierReport(tier=tier, **kw)])
+
+
+def tier_ops(meta: TransferMetadata, tier: str = "remote") -> TierOps:
+    """One lower tier's share of a step's metadata (empty ops when the tier has nothing this step)."""
+    return next((ops for ops in meta.tiers if ops.tier == tier), TierOps(tier=tier))
 
 
 def finish(sched: OffloadScheduler, gpu: BlockPool, req: FakeRequest, ids: list[int]) -> None:

@@ -37,4 +37,4 @@ def clean(engine: FakeEngine) -> None:
 
 
 def worker_counter(engine: FakeEngine, name: str) -> int:
-    return sum(getattr(w.remote.counters, name) for w in engine.workers)
+    return sum(getattr(w.tier_ios["remote"].counters, name) for w in engine.workers)

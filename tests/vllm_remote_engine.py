@@ -53,8 +53,8 @@ def main() -> None:
         if args.get("flush"):
             llm.generate([{"prompt_token_ids": [7] * 40}], GREEDY, use_tqdm=False)  # steps that report the stores
             worker.wait_all()  # and the writes they queued reach the server
-        result["lookup"] = connector.offload.remote.counters.snapshot()
-        result["worker"] = worker.remote.counters.snapshot()
+        result["lookup"] = connector.offload.tiers["remote"].counters.snapshot()
+        result["worker"] = worker.tier_ios["remote"].counters.snapshot()
         result["stats"] = connector.offload.stats.snapshot()
         result["prom"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
                           if m.name.startswith("vllm:offload_connector_remote_")}

@@ -24,9 +24,9 @@ Lifecycle and invariants:
   and nothing else of it is reported. Until then the scheduler keeps its GPU and CPU blocks out of every
   other use (completions.py), so the late copy writes only what a load of those tokens writes, into
   blocks nobody else holds. A wait for this step's loads never outlasts the deadline.
-- with the remote tier (`config.remote` and a `remote_identity` from the adapter), `start_load` also hands
-  the step's fetch event to `remote_io.RemoteWorkerIO`, `get_finished` reports finished fetches and queues a
-  completed store's blocks for writing (their bytes are copied before the report leaves this rank).
+- lower tiers (`tier_ios`: a `TierIO` per configured tier, tiers/base.py): `start_load` hands each its
+  `TierOps` (evicted blocks' writes, then fetches; checked here); `get_finished` hands completed stores to
+  tiers writing stored blocks (bytes copied before the report leaves) and adds their non-empty reports.
 """
 
 from __future__ import annotations
@@ -40,16 +40,17 @@ import numpy as np
 import torch
 
 from offload_connector.config import OffloadConfig
-from offload_connector.metadata import TransferMetadata, WorkerReport
-from offload_connector.remote.format import RemoteIdentity
+from offload_connector.metadata import TierOps, TransferMetadata, WorkerReport
 from offload_connector.sizing import num_cpu_blocks as sized_num_cpu_blocks
+from offload_connector.tier_identity import TierIdentity
 from worker_side.backends.base import CopyJob, JobKind, JobResult, TransferBackend
 from worker_side.backends.select import make_backend
 from worker_side.block_layout import BLOCK_FIRST, TensorBlockView, tensor_block_view
 from worker_side.errors import LayoutError, WorkerClosedError, WorkerInvariantError
 from worker_side.host_memory import allocate_host_buffer
 from worker_side.host_pool import HostPool
-from worker_side.tiers.remote_io import RemoteWorkerIO
+from worker_side.tiers.base import TierIO
+from worker_side.tiers.registry import check_tier_identity, make_tier_ios
 
 
 @dataclass(slots=True)
@@ -61,19 +62,17 @@ class JobRecord:
     load_reqs: tuple[str, ...] = ()  # the requests a load job resumes; empty for stores
     load_req_num_blocks: tuple[int, ...] = ()  # blocks of each of load_reqs, in order (may be empty)
     load_dst: np.ndarray | None = None  # a load's GPU block ids (to name the requests of failed blocks)
-    remote_write: tuple[np.ndarray, list[bytes]] | None = None  # a store's CPU blocks and keys (remote tier)
+    tier_writes: tuple[tuple[TierIO, ...], np.ndarray, list[bytes]] | None = None  # a store's: tiers, CPU blocks, keys
     expired: bool = False  # a load reported as failed after the deadline; its copy may still run
 
 
 class OffloadWorker:
     def __init__(self, config: OffloadConfig, world_size: int = 1, rank: int = 0,
-                 backend: TransferBackend | None = None, remote_identity: RemoteIdentity | None = None) -> None:
-        if config.remote is not None and remote_identity is None:
-            raise ValueError("the remote tier (config `remote:`) needs the adapter to pass remote_identity; this "
-                             "adapter does not support it yet: remove the `remote:` section")
+                 backend: TransferBackend | None = None, tier_identity: TierIdentity | None = None) -> None:
+        check_tier_identity(config, tier_identity)
         self.config, self.world_size, self.rank = config, world_size, rank
-        self.remote_identity = remote_identity
-        self.remote: RemoteWorkerIO | None = None  # created with the host pool
+        self.tier_identity = tier_identity
+        self.tier_ios: dict[str, TierIO] = {}  # by name, nearest first; created with the host pool
         self.backend = backend if backend is not None else make_backend(config)
         self._views: list[TensorBlockView] = []
         self._pool: HostPool | None = None
@@ -116,9 +115,7 @@ class OffloadWorker:
         self.backend.bind(views, pool)  # pins the pool where the backend needs it, before any graph capture
         self._pool = pool
         self._views, self._num_gpu_blocks = views, counts.pop()
-        if self.config.remote is not None and self.remote_identity is not None:
-            self.remote = RemoteWorkerIO(self.config.remote, self.remote_identity.key_prefix(self.config.remote.namespace),
-                                         self.rank, self.world_size, pool)
+        self.tier_ios = make_tier_ios(self.config, self.tier_identity, self.rank, self.world_size, pool)
 
     def register_cross_layer_kv_cache(self, tensor: torch.Tensor, num_gpu_blocks: int | None = None) -> None:
         """One tensor holding every layer, block dim first: each block is one contiguous range."""
@@ -142,7 +139,7 @@ class OffloadWorker:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._jobs) + (self.remote.num_fetches_in_flight if self.remote is not None else 0)
+        return len(self._jobs) + sum(io.num_fetches_in_flight for io in self.tier_ios.values())
 
     def _require_pool(self) -> HostPool:
         if self._pool is None:
@@ -156,11 +153,9 @@ class OffloadWorker:
             self.backend.begin_step()
 
     def start_load(self, meta: TransferMetadata) -> None:
-        """Issue this step's load (host pool -> KV cache) and remote fetch without waiting for them; first
-        copy out the blocks the CPU tier evicted this step for writing (remote tier, `on_cpu_evict`)."""
-        if meta.write_cpu_blocks and self.remote is not None:
-            self.remote.enqueue_write(meta.write_cpu_blocks, meta.write_keys)  # before any copy reuses them
-        self.start_fetch(meta)
+        """Issue this step's lower-tier ops (`start_tier_ops`), then its load (host pool -> KV cache); no wait."""
+        if meta.tiers:
+            self.start_tier_ops(meta.tiers)
         if meta.load_event is None:
             return
         cpu, gpu = self._checked_ids("load", meta.load_event, meta.load_cpu_blocks, meta.load_gpu_blocks)
@@ -171,18 +166,28 @@ class OffloadWorker:
         if len(gpu):  # an empty job finished at submission: nothing to wait for
             self._loads_this_step.append(job_id)
 
-    def start_fetch(self, meta: TransferMetadata) -> None:
-        """Issue this step's remote fetch (server -> host pool; called by `start_load`)."""
-        if meta.fetch_event is None:
-            return
-        if self.remote is None:
-            raise WorkerInvariantError(f"fetch event {meta.fetch_event} without a remote tier (scheduler bug)")
-        ids, limit = np.asarray(meta.fetch_cpu_blocks, np.int64), self._require_pool().num_blocks
-        if len(ids) != len(meta.fetch_keys) or (len(ids) and (ids.min() < 1 or ids.max() >= limit)) \
-                or self._has_duplicates(ids, limit):
-            raise WorkerInvariantError(f"fetch event {meta.fetch_event}: CPU blocks {ids.tolist()[:32]} must be "
-                                       f"distinct, in [1, {limit}), one per key (scheduler bug)")
-        self.remote.submit_fetch(meta.fetch_event, meta.fetch_cpu_blocks, meta.fetch_keys)
+    def start_tier_ops(self, tiers: Sequence[TierOps]) -> None:
+        """Check every lower tier's ops, hand each its writes of evicted blocks (all before any fetch or copy
+        reuses the blocks), then its fetch (tier -> host pool; called by `start_load`)."""
+        ios, limit = [self._tier_io(ops) for ops in tiers], self._require_pool().num_blocks
+        for ops in tiers:
+            ids = np.asarray(ops.fetch_cpu_blocks, np.int64)
+            if len(ids) != len(ops.fetch_keys) or (len(ids) and (ids.min() < 1 or ids.max() >= limit)) \
+                    or self._has_duplicates(ids, limit):
+                raise WorkerInvariantError(f"{ops.tier} fetch event {ops.fetch_event}: CPU blocks {ids.tolist()[:32]} "
+                                           f"must be distinct, in [1, {limit}), one per key (scheduler bug)")
+        for ops, io in zip(tiers, ios, strict=True):
+            if ops.write_cpu_blocks:
+                io.write(ops.write_cpu_blocks, ops.write_keys)
+        for ops, io in zip(tiers, ios, strict=True):
+            if ops.fetch_event is not None:
+                io.submit_fetch(ops.fetch_event, ops.fetch_cpu_blocks, ops.fetch_keys)
+
+    def _tier_io(self, ops: TierOps) -> TierIO:
+        if (io := self.tier_ios.get(ops.tier)) is None:
+            raise WorkerInvariantError(f"{ops.tier} tier operations, but this worker has no {ops.tier!r} tier "
+                                       f"(it has: {sorted(self.tier_ios) or 'none'}; scheduler bug)")
+        return io
 
     def start_store(self, meta: TransferMetadata) -> None:
         """Issue this step's store (KV cache -> host pool); call after the forward wrote the blocks."""
@@ -196,8 +201,9 @@ class OffloadWorker:
                                            "the step has no load event (scheduler bug)")
             after = tuple(j for j in self._loads_this_step if j in self._jobs)
         job_id = self._submit("store", meta.store_event, gpu, cpu, (), after)
-        if self.remote is not None and meta.store_keys and job_id in self._jobs:
-            self._jobs[job_id].remote_write = (cpu, list(meta.store_keys))
+        writers = tuple(self._tier_io(ops) for ops in meta.tiers if ops.write_stored)
+        if writers and job_id in self._jobs:
+            self._jobs[job_id].tier_writes = (writers, cpu, list(meta.store_keys))
 
     def _checked_ids(self, kind: JobKind, event_id: int, src: Sequence[int], dst: Sequence[int]
                      ) -> tuple[np.ndarray, np.ndarray]:
@@ -275,17 +281,15 @@ class OffloadWorker:
                 report.completed_store_events.append(rec.event_id)
                 report.bytes_stored += rec.num_blocks * bytes_per_block
                 report.store_seconds += seconds
-                if rec.remote_write is not None and self.remote is not None:
-                    self.remote.enqueue_write(*rec.remote_write)
+                if rec.tier_writes is not None:
+                    writers, cpu, keys = rec.tier_writes
+                    for io in writers:
+                        io.write(cpu, keys)
             else:
                 report.failed_store_events.append(rec.event_id)
         self._expire_loads(report)
-        if self.remote is not None:
-            for fetch in self.remote.poll():
-                report.completed_fetch_events.append(fetch.event_id)
-                report.failed_fetch_cpu_blocks.extend(fetch.failed_cpu_ids)
-            report.remote_counters = self.remote.take_counter_deltas()
-            report.remote_written_keys = self.remote.take_on_server_keys()
+        if self.tier_ios:
+            report.tiers = [t for t in (io.take_report() for io in self.tier_ios.values()) if not t.is_empty]
         return report
 
     def _time_to_deadline(self, job_ids: Sequence[int]) -> float | None:
@@ -296,8 +300,7 @@ class OffloadWorker:
         return max(0.0, first + self.load_timeout_s - time.perf_counter())
 
     def _expire_loads(self, report: WorkerReport) -> None:
-        """Report each load job past the deadline as failed whole, once, and mark it expired. O(jobs in
-        flight)."""
+        """Report each load job past the deadline as failed whole, once; mark it expired. O(jobs in flight)."""
         if self.load_timeout_s is None:
             return
         waiting = [rec for rec in self._jobs.values() if rec.kind == "load" and not rec.expired]
@@ -317,10 +320,10 @@ class OffloadWorker:
 
     def wait_all(self) -> None:
         """Block until every submitted job has finished (results stay queued for get_finished); with the
-        remote tier, also every fetch and queued write (each bounded by the server timeout)."""
+        lower tiers, also every fetch and queued write (each bounded by the tier's own timeouts)."""
         self.backend.wait(None)
-        if self.remote is not None:
-            self.remote.wait_idle()
+        for io in self.tier_ios.values():
+            io.wait_idle()
 
     def shutdown(self) -> None:
         """Stop the backend: running copies finish, queued ones fail. Safe to call twice."""
@@ -328,8 +331,8 @@ class OffloadWorker:
             return
         self._closed = True
         self.backend.shutdown()
-        if self.remote is not None:
-            self.remote.close()
+        for io in self.tier_ios.values():
+            io.close()
 
 
 def _failed_requests(rec: JobRecord, failed_dst_ids: Sequence[int]) -> list[str]:

@@ -50,6 +50,7 @@ class ReplayResult:
     error: str | None = None
     connector: dict[str, float] = field(default_factory=dict)  # the scheduler side's counters (SchedulerStats)
     sizes_from: dict[str, str] = field(default_factory=dict)  # "gpu_blocks"/"cpu_blocks" -> where it was set
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)  # each configured lower tier's counters
 
     def to_dict(self) -> dict[str, Any]:
         eng = self.config.engine
@@ -69,6 +70,7 @@ class ReplayResult:
         )
         out["connector"] = dict(self.connector)
         out["sizes_from"] = dict(self.sizes_from)
+        out.update({name: dict(counters) for name, counters in self.tiers.items()})  # e.g. "remote": {...}
         return out
 
 
@@ -183,8 +185,10 @@ def _run_replay(config: OffloadConfig, requests: list[TraceRequest], scaled: boo
         num_cpu_blocks = engine.worker.num_cpu_blocks if engine.worker is not None else 0
         stats = engine.stats
         connector = engine.connector.stats.snapshot() if engine.connector is not None else {}
+        tiers = {name: dict(zip(tier.COUNTERS, tier.counter_values(), strict=True))
+                 for name, tier in (engine.connector.tiers.items() if engine.connector is not None else ())}
     return ReplayResult(stats, time.perf_counter() - start, trace_name, scaled, config, num_cpu_blocks, error,
-                        connector)
+                        connector, tiers=tiers)
 
 
 class ProgressBar:

@@ -66,6 +66,8 @@ def format_report(result: ReplayResult) -> str:
         f"  GPU evicted {s.gpu_evictions:,} cached blocks, {s.gpu_evictions_unsaved:,} of them on neither tier",
         *_group_lines(result),
         *_connector_lines(result.connector),
+        *(f"  {name:<11} " + (", ".join(f"{key} {value:,}" for key, value in counters.items() if value) or "idle")
+          for name, counters in result.tiers.items()),
         f"  integrity   {s.integrity_errors} errors ({s.verified_tokens:,} token reads verified), "
         f"{s.leaked_blocks} leaked blocks",
         f"  wall time   {result.wall_seconds:.1f} s",

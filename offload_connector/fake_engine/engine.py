@@ -15,7 +15,7 @@ reported it, and a load lets its request resume once every rank finished it (vLL
 (`worker_side.testing.cuda_sim.SimCompute`, with a `CudaBackend` over the same simulator), where the engine never
 waits for the forward, as with vLLM's async scheduling: transfers are ordered by their fences alone.
 
-`drain()` runs empty connector steps until every transfer is done and applied (and the remote tier's
+`drain()` runs empty connector steps until every transfer is done and applied (and the lower tiers'
 queued writes are sent); `check()` then counts blocks still
 referenced (leaks) and runs every pool's `check_integrity()` (the fake models' expected-K/V arenas included).
 The engine owns the worker and shuts it down in `close()`; use it as a context manager.
@@ -35,8 +35,9 @@ from offload_connector.fake_engine.model import ComputeQueue, FakeModel
 from offload_connector.fake_engine.request import EngineRequest, RequestStatus
 from offload_connector.fake_engine.scheduler import EngineScheduler
 from offload_connector.fake_engine.stats import EngineStats
+from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.metadata import WorkerReport
-from offload_connector.remote.format import RemoteIdentity
+from offload_connector.tier_identity import TierIdentity
 from scheduler_side import OffloadScheduler
 from worker_side import OffloadWorker, TransferBackend
 
@@ -54,13 +55,13 @@ def _per_rank(value: object, tp_size: int, what: str) -> list:
     return values
 
 
-def remote_identity(config: OffloadConfig) -> RemoteIdentity | None:
-    """The fake model's identity for the remote tier's keys (None without the tier): engines with equal
-    `engine:` sections and hash algorithm share blocks, as their K/V are the same function of the tokens."""
-    if config.remote is None:
+def tier_identity(config: OffloadConfig) -> TierIdentity | None:
+    """The fake model's identity for the lower tiers' keys (None without one): engines with equal `engine:`
+    sections and hash algorithm share blocks, as their K/V are the same function of the tokens."""
+    if not lower_tier_sections(config):
         return None
     eng = config.engine
-    return RemoteIdentity(model="offload-connector/fake-model", dtype=eng.dtype, kv_cache_dtype=eng.dtype,
+    return TierIdentity(model="offload-connector/fake-model", dtype=eng.dtype, kv_cache_dtype=eng.dtype,
                           block_size=eng.block_size, hash_algo=config.hash_algo,
                           layout=f"{eng.num_layers}x(2,{eng.block_size},{eng.num_kv_heads},{eng.head_dim}) kv_first")
 
@@ -90,7 +91,7 @@ class FakeEngine:
         if connector:
             for rank, (model, rank_backend) in enumerate(zip(self.models, backends, strict=True)):
                 worker = OffloadWorker(config, world_size=tp_size, rank=rank, backend=rank_backend,
-                                       remote_identity=remote_identity(config))
+                                       tier_identity=tier_identity(config))
                 self.workers.append(worker)
                 worker.register_kv_caches(model.kv_caches, num_gpu_blocks=eng.num_gpu_blocks,
                                           layout="kv_first")  # (2, blocks, ...): say so, 2 blocks would be ambiguous
@@ -99,7 +100,7 @@ class FakeEngine:
                 config, eng.block_size, self.worker.num_cpu_blocks, self.gpu.view, tp_size,
                 max_blocks_per_step=None, num_gpu_blocks=eng.num_gpu_blocks,
                 emit_kv_events=False,  # nobody here takes them: kept, they grew with every request
-                remote_identity=remote_identity(config), groups=self.model.groups)
+                tier_identity=tier_identity(config), groups=self.model.groups)
         self._load_reports: dict[str, int] = {}  # request id -> ranks that finished its load so far
         self.gpu.pool.on_evict = self._on_gpu_evict
         self.scheduler = EngineScheduler(eng, self.gpu, self.connector, self.stats, self._release,
@@ -235,9 +236,9 @@ class FakeEngine:
         else:
             raise EngineStallError("transfers still in flight after 1000 drain rounds (our bug)")
         for worker in self.workers:
-            worker.wait_all()  # the remote tier's writes queued by the last completions reach the server
-        if any(worker.remote is not None for worker in self.workers):
-            self._poll_worker(wait_for_loads=False)  # ... and the connector hears of them (REMOTE KV events)
+            worker.wait_all()  # the lower tiers' writes queued by the last completions reach them
+        if any(worker.tier_ios for worker in self.workers):
+            self._poll_worker(wait_for_loads=False)  # ... and the connector hears of them (their KV events)
 
     def check(self) -> int:
         """Drain, count blocks still referenced beyond live requests (leaks), check every pool's invariants."""

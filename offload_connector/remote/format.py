@@ -1,10 +1,11 @@
-"""Keys and values of the remote tier (shared by both sides; imports nothing from the project, no torch).
+"""Keys and values of the remote tier (shared by both sides; imports only the shared
+`tier_identity`, no torch).
 
 Key, one per block per tensor-parallel rank:
     <namespace>:v1:<model fingerprint>:<layout fingerprint>:tp<rank>of<size>:g<group>:<block hash hex>
 The cache key the connector uses is the block hash followed by the 4-byte group id (hashing.py), so the
 chained hash (cache salt included) keeps tenants apart exactly as on the CPU tier. The fingerprints come
-from a `RemoteIdentity` the adapter builds: instances share only byte-compatible blocks.
+from the `TierIdentity` the adapter builds (tier_identity.py): instances share only byte-compatible blocks.
 
 Value: a 24-byte header, then the block's bytes for that rank (host-pool order: `HostPool[cpu_block_id]`):
     magic b"OCKV" | version u16 | reserved u16 | payload length u64 | checksum u64   (little endian)
@@ -17,8 +18,9 @@ from __future__ import annotations
 
 import struct
 
-import msgspec
 import xxhash
+
+from offload_connector.tier_identity import TierIdentity
 
 MAGIC = b"OCKV"
 VERSION = 1
@@ -26,28 +28,9 @@ HEADER = struct.Struct("<4sHHQQ")
 HEADER_BYTES = HEADER.size  # 24
 
 
-class RemoteIdentity(msgspec.Struct, frozen=True, kw_only=True):
-    """What makes two instances' blocks byte-compatible. Built by the adapter, the same on both sides."""
-
-    model: str  # model name or path
-    revision: str = ""
-    dtype: str = ""  # the model's dtype
-    kv_cache_dtype: str = ""  # the KV cache's dtype ("auto" resolved when the adapter knows it)
-    block_size: int  # tokens per block
-    hash_algo: str  # the block-hash function (and its seed, below): equal tokens must give equal keys
-    hash_seed: str = ""
-    layout: str  # per-rank block layout: layers, shapes and dtypes of the KV tensors, in host-pool order
-
-    def model_fingerprint(self) -> str:
-        fields = (self.model, self.revision, self.dtype, self.kv_cache_dtype, self.block_size, self.hash_algo,
-                  self.hash_seed)
-        return xxhash.xxh3_64_hexdigest(msgspec.msgpack.encode(fields))
-
-    def layout_fingerprint(self) -> str:
-        return xxhash.xxh3_64_hexdigest(self.layout.encode())
-
-    def key_prefix(self, namespace: str) -> str:
-        return f"{namespace}:v{VERSION}:{self.model_fingerprint()}:{self.layout_fingerprint()}"
+def key_prefix(identity: TierIdentity, namespace: str) -> str:
+    """The part of every key that names the deployment (`namespace`), the format version and the identity."""
+    return f"{namespace}:v{VERSION}:{identity.model_fingerprint()}:{identity.layout_fingerprint()}"
 
 
 def block_key(prefix: str, rank: int, world_size: int, cache_key: bytes) -> bytes:

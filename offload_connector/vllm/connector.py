@@ -65,8 +65,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.metadata import TransferMetadata
-from offload_connector.remote.config import redact, remote_urls
 from offload_connector.sizing import Capacity, check_host_memory, mem_available_bytes
 from offload_connector.vllm.compat import check_vllm_version
 from offload_connector.vllm.early_check import ranks_on_host
@@ -80,6 +80,7 @@ from offload_connector.vllm.engine_setup import (
 )
 from offload_connector.vllm.messages import OffloadConnectorMetadata, OffloadWorkerMetadata
 from offload_connector.vllm.stats import OffloadConnectorStats, OffloadPromMetrics
+from scheduler_side.tiers.registry import TIERS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -106,10 +107,10 @@ def startup_line(role: str, extra: Any, config: Any, backend: str, capacity: Cap
     resolved to, the store and eviction policies, and one rank's CPU tier in bytes, blocks and tokens."""
     requested = config.transfer.backend
     resolved = f"{requested} -> {backend}" if requested != backend else backend
-    remote = "" if config.remote is None else f"; remote tier {', '.join(map(redact, remote_urls(config.remote)))}"
+    tiers = "".join(f"; {TIERS[name].describe(section)}" for name, section in lower_tier_sections(config))
     return (f"OffloadConnector {role}: config from {describe_config_source(extra)}; transfer.backend={resolved}, "
             f"store_policy={config.store_policy}, eviction={config.eviction}; CPU tier {capacity.describe()} "
-            f"(block_size={capacity.block_size}){remote}")
+            f"(block_size={capacity.block_size}){tiers}")
 
 
 def _backend_in_this_process(requested: str) -> str:
@@ -137,30 +138,30 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.shape: KVCacheShape = describe_kv_cache(vllm_config, kv_cache_config)
         if len(self.shape.groups) > 1:  # a hybrid model: an unset store_policy means eager here
             self.config = resolve_config(extra, len(self.shape.groups))
-        check_groups_config(self.config, self.shape)  # a hybrid model: eager stores, no remote tier
+        check_groups_config(self.config, self.shape)  # a hybrid model: eager stores, no lower tier
         self.capacity = self.shape.capacity(self.config)  # raises for fewer than 2 blocks per rank
         self.num_cpu_blocks = self.capacity.num_cpu_blocks  # the null block included
         # Before any block exists: the host must hold its ranks' pools (the plugin checked the same from the
         # model's config; this is vLLM's exact KV spec, and the check for set-ups without the plugin).
         check_host_memory(self.config, self.capacity, ranks_on_host(vllm_config.parallel_config),
                           mem_available_bytes())
-        remote = None
-        if self.config.remote is not None:  # the shared tier (offload_connector/remote/config.py); off by default
-            from offload_connector.vllm.remote_identity import vllm_remote_identity
+        identity = None
+        if lower_tier_sections(self.config):  # tiers below the CPU tier (offload_connector/lower_tiers.py)
+            from offload_connector.vllm.tier_identity import vllm_tier_identity
 
-            remote = vllm_remote_identity(vllm_config, kv_cache_config, self.shape)
+            identity = vllm_tier_identity(vllm_config, kv_cache_config, self.shape)
         self.connector_scheduler: SchedulerRole | None = None
         self.connector_worker: WorkerRole | None = None
         if role == KVConnectorRole.SCHEDULER:
             from offload_connector.vllm.scheduler_role import SchedulerRole
 
             self.connector_scheduler = SchedulerRole(vllm_config, self.config, self.shape,
-                                                     self.num_cpu_blocks, remote)
+                                                     self.num_cpu_blocks, identity)
             backend = _backend_in_this_process(self.config.transfer.backend)
         else:
             from offload_connector.vllm.worker_role import WorkerRole
 
-            self.connector_worker = WorkerRole(self.config, self.shape, self.num_cpu_blocks, remote)
+            self.connector_worker = WorkerRole(self.config, self.shape, self.num_cpu_blocks, identity)
             backend = self.connector_worker.worker.backend.name
         logger.info("%s", startup_line(role.name, extra, self.config, backend, self.capacity))
 
@@ -322,4 +323,4 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self.connector_worker is not None:
             self.connector_worker.shutdown()
         if self.connector_scheduler is not None:
-            self.connector_scheduler.scheduler.close()  # the remote tier's lookup thread, if any
+            self.connector_scheduler.scheduler.close()  # the lower tiers' threads, if any

@@ -37,6 +37,7 @@ from offload_connector.config import (
     load_config,
     merge_configs,
 )
+from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.sizing import Capacity, capacity, num_cpu_blocks
 from offload_connector.vllm.compat import hash_block_size, kv_cache_layout
 from offload_connector.vllm.errors import UnsupportedSetupError
@@ -196,11 +197,11 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
 def keeps_hybrid_manager(config: OffloadConfig) -> bool:
     """Whether the config serves several KV-cache groups, so vLLM keeps its hybrid KV cache manager on for a
     hybrid model (the plugin turns it off otherwise, unless the user set it): `check_groups_config`'s rule."""
-    return config.store_policy == "eager" and config.remote is None
+    return config.store_policy == "eager" and not lower_tier_sections(config)
 
 
 def check_groups_config(config: OffloadConfig, shape: KVCacheShape) -> None:
-    """Several KV-cache groups need `store_policy: eager` and no `remote` tier (both work per single group
+    """Several KV-cache groups need `store_policy: eager` and no lower tier (both work per single group
     only); else `UnsupportedSetupError` naming the key and what is allowed. Nothing to check for one group."""
     if len(shape.groups) == 1:
         return
@@ -210,10 +211,10 @@ def check_groups_config(config: OffloadConfig, shape: KVCacheShape) -> None:
             f"model has {len(shape.groups)}; allowed with several groups: store_policy: eager, or vLLM's hybrid KV "
             "cache manager off (disable_hybrid_kv_cache_manager=True; our vLLM plugin turns it off for you "
             "unless it was set)")
-    if config.remote is not None:
+    for name, _ in lower_tier_sections(config):
         raise UnsupportedSetupError(
-            f"OffloadConnector: the remote tier supports one KV-cache group; this hybrid model has "
-            f"{len(shape.groups)}; allowed with several groups: no remote section, or vLLM's hybrid KV cache manager "
+            f"OffloadConnector: the {name} tier supports one KV-cache group; this hybrid model has "
+            f"{len(shape.groups)}; allowed with several groups: no {name} section, or vLLM's hybrid KV cache manager "
             "off (disable_hybrid_kv_cache_manager=True; our vLLM plugin turns it off for you unless it was set)")
 
 

@@ -17,7 +17,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
-from offload_connector.metadata import TransferMetadata, WorkerReport
+from offload_connector.metadata import TierReport, TransferMetadata, WorkerReport
 from scheduler_side import KVEvent
 
 
@@ -53,14 +53,28 @@ def merge_reports(a: WorkerReport, b: WorkerReport) -> WorkerReport:
         failed_load_reqs=a.failed_load_reqs + b.failed_load_reqs,
         bytes_stored=a.bytes_stored + b.bytes_stored, bytes_loaded=a.bytes_loaded + b.bytes_loaded,
         store_seconds=a.store_seconds + b.store_seconds, load_seconds=a.load_seconds + b.load_seconds,
-        completed_fetch_events=a.completed_fetch_events + b.completed_fetch_events,
-        failed_fetch_cpu_blocks=a.failed_fetch_cpu_blocks + b.failed_fetch_cpu_blocks,
-        remote_counters={k: a.remote_counters.get(k, 0) + b.remote_counters.get(k, 0)
-                         for k in a.remote_counters.keys() | b.remote_counters.keys()},
-        remote_written_keys=a.remote_written_keys + b.remote_written_keys,
         expired_load_events=a.expired_load_events + b.expired_load_events,
         ended_load_events=a.ended_load_events + b.ended_load_events,
+        tiers=_merge_tier_reports(a.tiers + b.tiers),
     )
+
+
+def _merge_tier_reports(reports: list[TierReport]) -> list[TierReport]:
+    """One report per tier, in first-seen order: lists concatenated, counters summed."""
+    merged: dict[str, TierReport] = {}
+    for r in reports:
+        m = merged.get(r.tier)
+        if m is None:
+            merged[r.tier] = TierReport(tier=r.tier, completed_fetch_events=list(r.completed_fetch_events),
+                                        failed_fetch_cpu_blocks=list(r.failed_fetch_cpu_blocks),
+                                        written_keys=list(r.written_keys), counters=dict(r.counters))
+            continue
+        m.completed_fetch_events += r.completed_fetch_events
+        m.failed_fetch_cpu_blocks += r.failed_fetch_cpu_blocks
+        m.written_keys += r.written_keys
+        for k, v in r.counters.items():
+            m.counters[k] = m.counters.get(k, 0) + v
+    return list(merged.values())
 
 
 def to_vllm_events(events: Iterable[KVEvent], block_size: int) -> list[KVCacheEvent]:

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from offload_connector.config import ConfigError
+from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.sizing import mem_available_bytes
 from offload_connector.vllm import compat
 from offload_connector.vllm.early_check import (
@@ -108,7 +109,7 @@ def refusal(err: ConfigError | UnsupportedSetupError, usage_context: str | None)
 
 def keep_hma_off_for_one_group_configs(engine_args: Any) -> None:
     """Before vLLM builds its config: when our connector alone is selected with a config that supports one
-    KV-cache group only (`store_policy: lazy` set explicitly, or a `remote` tier) and the user left
+    KV-cache group only (`store_policy: lazy` set explicitly, or a lower tier such as `remote`) and the user left
     `disable_hybrid_kv_cache_manager` unset, set it (as vLLM 0.32 did for every connector before ours
     declared `SupportsHMA`), so a hybrid model runs with one group instead of failing at start-up. An unset
     `store_policy` keeps it on: with several groups it means eager (`resolve_config`). A model with one
@@ -126,9 +127,11 @@ def keep_hma_off_for_one_group_configs(engine_args: Any) -> None:
     if keeps_hybrid_manager(config):
         return
     engine_args.disable_hybrid_kv_cache_manager = True
-    why = f"store_policy: {config.store_policy}" if config.store_policy != "eager" else "a remote tier"
+    tiers = [name for name, _ in lower_tier_sections(config)]
+    why = f"store_policy: {config.store_policy}" if config.store_policy != "eager" else f"a {tiers[0]} tier"
     logger.info("OffloadConnector with %s supports one KV-cache group: vLLM's hybrid KV cache manager is off "
-                "(hybrid models run with one group; store_policy eager or unset, without remote, keeps it on)", why)
+                "(hybrid models run with one group; store_policy eager or unset, without lower tiers, keeps it "
+                "on)", why)
 
 
 def check_engine_config(vllm_config: Any) -> None:

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 from offload_connector.config import OffloadConfig
 from offload_connector.metadata import decode_report
-from offload_connector.remote.format import RemoteIdentity
+from offload_connector.tier_identity import TierIdentity
 from offload_connector.vllm.engine_setup import KVCacheShape
 from offload_connector.vllm.gpu_pool import VllmGpuPool
 from offload_connector.vllm.messages import OffloadConnectorMetadata, OffloadWorkerMetadata, to_vllm_events
-from offload_connector.vllm.stats import NO_REMOTE, OffloadConnectorStats, StatsTracker
+from offload_connector.vllm.stats import OffloadConnectorStats, StatsTracker, tier_counter_values
 from scheduler_side import OffloadScheduler, StepRequest
 from scheduler_side.groups import KVGroup
 
@@ -44,7 +44,7 @@ class SchedulerRole:
     """The scheduler process's half of the connector: admission lookups, per-step metadata, completions."""
 
     def __init__(self, vllm_config: VllmConfig, config: OffloadConfig, shape: KVCacheShape,
-                 num_cpu_blocks: int, remote_identity: RemoteIdentity | None = None) -> None:
+                 num_cpu_blocks: int, tier_identity: TierIdentity | None = None) -> None:
         sched = vllm_config.scheduler_config
         self.config = config
         self.block_size = shape.block_size
@@ -58,7 +58,7 @@ class SchedulerRole:
             groups=tuple(KVGroup(i, window, extra) for i, (window, extra) in enumerate(shape.groups)),
             max_blocks_per_step=sched.max_num_batched_tokens // shape.block_size + sched.max_num_seqs,
             num_gpu_blocks=shape.num_gpu_blocks,
-            remote_identity=remote_identity,
+            tier_identity=tier_identity,
             emit_kv_events=self.emit_kv_events,
         )
         self._stats_tracker = StatsTracker()
@@ -141,10 +141,8 @@ class SchedulerRole:
         if not self.config.metrics:
             return None
         sched = self.scheduler
-        remote = sched.remote
-        values = (lambda: sched.stats.values() + NO_REMOTE) if remote is None else \
-            (lambda: sched.stats.values() + remote.values())
-        return self._stats_tracker.take(values, self._gauges, flush=not sched.has_live_requests())
+        return self._stats_tracker.take(lambda: sched.stats.values() + tier_counter_values(sched.tiers),
+                                        self._gauges, flush=not sched.has_live_requests())
 
     def _gauges(self) -> dict[str, float]:
         """Capacity and occupancy of each tier, and the CPU hit rate since start-up."""
@@ -158,10 +156,6 @@ class SchedulerRole:
             "cpu_capacity_bytes": (pool.num_blocks - 1) * self._bytes_per_block_all_ranks,
             "cpu_hit_rate": round(stats.num_hit_tokens / stats.num_lookup_tokens, 4) if stats.num_lookup_tokens else 0,
         }
-        remote = sched.remote
-        if remote is not None:
-            used, limit = remote.lookups.server_memory
-            gauges.update({"remote_waiting_requests": remote.num_waiting,
-                           "remote_breaker_open": int(remote.lookups.client.breaker.state == "open"),
-                           "remote_server_used_bytes": used, "remote_server_max_bytes": limit})
+        for name, tier in sched.tiers.items():
+            gauges.update({f"{name}_{gauge}": value for gauge, value in tier.gauges().items()})
         return gauges

@@ -25,15 +25,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from scheduler_side.stats import FIELDS
-from scheduler_side.tiers.remote.tier import REMOTE_COUNTERS
+from scheduler_side.tiers.base import LowerTier
+from scheduler_side.tiers.registry import TIERS
 
-# Every SchedulerStats field is a running counter, in `SchedulerStats.values()` order, then the remote
-# tier's (both roles summed, `RemoteTier.values()` order; zero without the tier).
-COUNTERS = FIELDS + tuple(f"remote_{name}" for name in REMOTE_COUNTERS)
-NO_REMOTE = (0,) * len(REMOTE_COUNTERS)
+# Every SchedulerStats field is a running counter, in `SchedulerStats.values()` order, then each registered
+# lower tier's, `<tier>_<counter>` (both roles summed, `LowerTier.counter_values()` order; zero without the
+# tier); the same for gauges.
+COUNTERS = FIELDS + tuple(f"{name}_{c}" for name, cls in TIERS.items() for c in cls.COUNTERS)
 GAUGES = ("cpu_pool_usage", "cpu_blocks_cached", "cpu_blocks_total", "cpu_cached_bytes", "cpu_capacity_bytes",
-          "cpu_hit_rate", "remote_breaker_open", "remote_waiting_requests", "remote_server_used_bytes",
-          "remote_server_max_bytes")
+          "cpu_hit_rate") + tuple(f"{name}_{g}" for name, cls in TIERS.items() for g in cls.GAUGES)
 PROM_PREFIX = "vllm:offload_connector_"
 
 _DOCS = {
@@ -66,26 +66,13 @@ _DOCS = {
     "cpu_cached_bytes": "host memory holding hit-able copies, all ranks (the tier's occupancy)",
     "cpu_capacity_bytes": "host memory of the CPU tier's blocks, all ranks (the tier's capacity)",
     "cpu_hit_rate": "since start-up: tokens loaded from the CPU tier / tokens looked up there (0 before any lookup)",
-    "remote_lookups": "remote tier: pipelined existence checks sent",
-    "remote_lookup_blocks": "remote tier: blocks asked about",
-    "remote_lookup_hit_blocks": "remote tier: blocks found on the server (every rank's key)",
-    "remote_lookup_timeouts": "remote tier: requests that stopped waiting after timeout_ms",
-    "remote_lookups_skipped": "remote tier: CPU misses not asked about (breaker open or too many waiting)",
-    "remote_fetched_blocks": "remote tier: blocks fetched into the CPU tier and verified (all ranks)",
-    "remote_fetched_bytes": "remote tier: bytes fetched (all ranks)",
-    "remote_fetch_miss_blocks": "remote tier: blocks gone between lookup and fetch (all ranks)",
-    "remote_corrupt_blocks": "remote tier: values refused by the checksum/length check, deleted (all ranks)",
-    "remote_written_blocks": "remote tier: blocks written (SET NX accepted; all ranks)",
-    "remote_write_exists": "remote tier: writes of keys already on the server (all ranks)",
-    "remote_written_bytes": "remote tier: bytes written (all ranks)",
-    "remote_dropped_writes": "remote tier: blocks not written: queue full, breaker open or refused (all ranks)",
-    "remote_errors": "remote tier: failed commands (connection, timeout, server errors)",
-    "remote_breaker_trips": "remote tier: times the circuit breaker opened (worker ranks)",
-    "remote_breaker_open": "remote tier: 1 while the scheduler's circuit breaker is open",
-    "remote_waiting_requests": "remote tier: requests waiting on a lookup or fetch",
-    "remote_server_used_bytes": "remote tier: the server's used_memory (INFO memory; all namespaces, all nodes)",
-    "remote_server_max_bytes": "remote tier: the server's maxmemory (0: no limit set; all nodes)",
-}
+} | {f"{name}_{key}": f"{name} tier: {text}" for name, cls in TIERS.items() for key, text in cls.DESCRIPTIONS.items()}
+
+
+def tier_counter_values(tiers: dict[str, LowerTier]) -> tuple[int, ...]:
+    """Every registered tier's counters in `COUNTERS` order: the configured ones' values, zeros for the rest."""
+    return tuple(v for name, cls in TIERS.items()
+                 for v in (tiers[name].counter_values() if name in tiers else (0,) * len(cls.COUNTERS)))
 
 
 @dataclass

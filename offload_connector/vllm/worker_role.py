@@ -27,7 +27,7 @@ import torch
 
 from offload_connector.config import OffloadConfig
 from offload_connector.metadata import TransferMetadata, WorkerReport, encode
-from offload_connector.remote.format import RemoteIdentity
+from offload_connector.tier_identity import TierIdentity
 from offload_connector.vllm.compat import tensor_parallel_rank
 from offload_connector.vllm.engine_setup import KVCacheShape
 from offload_connector.vllm.errors import UnsupportedSetupError
@@ -39,11 +39,11 @@ class WorkerRole:
     """One rank's half of the connector: registers the KV tensors, issues loads and stores, reports back."""
 
     def __init__(self, config: OffloadConfig, shape: KVCacheShape, num_cpu_blocks: int,
-                 remote_identity: RemoteIdentity | None = None) -> None:
+                 tier_identity: TierIdentity | None = None) -> None:
         self.shape = shape
         self.num_cpu_blocks = num_cpu_blocks  # what the scheduler role counts; the worker must agree
         self.worker = OffloadWorker(config, world_size=shape.world_size, rank=tensor_parallel_rank(),
-                                    remote_identity=remote_identity)
+                                    tier_identity=tier_identity)
         self._report: WorkerReport | None = None  # since the last build_connector_worker_meta
         self._failed_load_gpu_blocks: set[int] = set()  # since the last get_block_ids_with_load_errors
         self._failed_load_reqs: set[str] = set()  # since the last failed_load_requests (several groups)
@@ -87,9 +87,8 @@ class WorkerRole:
 
     def start_load_kv(self, meta: TransferMetadata | None) -> None:
         self._check_registered(meta, "start_load_kv")
-        if meta is not None and (meta.load_event is not None or meta.fetch_event is not None
-                                 or meta.write_cpu_blocks):
-            self.worker.start_load(meta)  # also issues the remote tier's fetch
+        if meta is not None and (meta.load_event is not None or meta.tiers):
+            self.worker.start_load(meta)  # also issues the lower tiers' fetches
 
     def wait_for_save(self, meta: TransferMetadata | None) -> None:
         self._check_registered(meta, "wait_for_save")
@@ -122,7 +121,7 @@ class WorkerRole:
     def build_connector_worker_meta(self) -> OffloadWorkerMetadata | None:
         report, self._report = self._report, None
         if report is None or (report.is_empty and not report.bytes_stored and not report.bytes_loaded
-                              and not report.remote_counters and not report.remote_written_keys):
+                              and not report.tiers):
             return None
         return OffloadWorkerMetadata(reports=[encode(report)])
 

@@ -236,7 +236,7 @@ class LazyStorePolicy(StorePolicy):
         picks = StorePicks(release_gpu_ids=list(held.values()))  # every hold ends with this event
         is_saved, is_dead = view.is_saved, view.is_dead
         for key, gpu_id in held.items():
-            if not is_saved(key) and not is_dead(key):  # it may have reached the CPU since (a remote fetch)
+            if not is_saved(key) and not is_dead(key):  # it may have reached the CPU since (a lower tier's fetch)
                 picks.gpu_ids.append(gpu_id)
                 picks.keys.append(key)
         picked = set(picks.keys)

@@ -7,15 +7,14 @@ from __future__ import annotations
 import threading
 
 import pytest
-from helpers import FakeRequest
+from helpers import FakeRequest, tier_ops, tier_report
 
 from offload_connector.config import load_config
 from offload_connector.hashing import with_group_id
-from offload_connector.metadata import WorkerReport
 from offload_connector.remote.breaker import RemoteCounters
 from scheduler_side import BlockPool, BlockPoolGpuView, OffloadScheduler
 from scheduler_side.tiers.remote.lookups import RemoteLookups
-from scheduler_side.tiers.remote.tier import REMOTE_COUNTERS
+from scheduler_side.tiers.remote.stats import REMOTE_COUNTERS
 
 pytest.importorskip("redis", reason="the remote tier's client needs the `redis` package")
 
@@ -25,10 +24,10 @@ from test_remote_scheduler import BS, IDENTITY, HandLookups  # noqa: E402
 def make(group_id: int = 0) -> tuple[OffloadScheduler, BlockPool]:
     config = load_config({"store_policy": "eager", "num_cpu_blocks": 20, "remote": {"url": "redis://127.0.0.1:1/0"}})
     gpu = BlockPool(100)
-    sched = OffloadScheduler(config, BS, 20, BlockPoolGpuView(gpu), 1, group_id=group_id, remote_identity=IDENTITY)
-    sched.remote.lookups.close()  # the real thread: replaced by the hand-driven stand-in
-    sched.remote.lookups = HandLookups(sched.remote.lookups.client)
-    sched.remote.clock = lambda: 0.0
+    sched = OffloadScheduler(config, BS, 20, BlockPoolGpuView(gpu), 1, group_id=group_id, tier_identity=IDENTITY)
+    sched.tiers["remote"].lookups.close()  # the real thread: replaced by the hand-driven stand-in
+    sched.tiers["remote"].lookups = HandLookups(sched.tiers["remote"].lookups.client)
+    sched.tiers["remote"].clock = lambda: 0.0
     return sched, gpu
 
 
@@ -36,7 +35,7 @@ def ask(sched: OffloadScheduler, req: FakeRequest, found: int) -> None:
     """The request misses on the CPU, waits on the tier, and the tier answers `found` blocks: the fetch is
     issued in this step's fetch event (not sent yet)."""
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
-    sched.remote.lookups.answers[0] = found
+    sched.tiers["remote"].lookups.answers[0] = found
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
 
 
@@ -45,14 +44,14 @@ def test_values_sum_both_sides_in_counter_order() -> None:
     """`values()` (the stats' remote part): each counter is the scheduler's plus the workers' (summed over
     reports), in `REMOTE_COUNTERS` order; zero where neither side has it."""
     sched, _ = make()
-    remote = sched.remote
-    assert remote.values() == (0,) * len(REMOTE_COUNTERS)
+    remote = sched.tiers["remote"]
+    assert remote.counter_values() == (0,) * len(REMOTE_COUNTERS)
     remote.counters.lookups, remote.counters.lookup_blocks = 2, 5
-    sched.update_connector_output([WorkerReport(remote_counters={"lookup_blocks": 7, "fetched_blocks": 3}),
-                                   WorkerReport(remote_counters={"fetched_blocks": 1, "breaker_trips": 1})])
+    sched.update_connector_output([tier_report(counters={"lookup_blocks": 7, "fetched_blocks": 3}),
+                                   tier_report(counters={"fetched_blocks": 1, "breaker_trips": 1})])
     expected = dict.fromkeys(REMOTE_COUNTERS, 0) | {"lookups": 2, "lookup_blocks": 12, "fetched_blocks": 4,
                                                      "breaker_trips": 1}
-    assert remote.values() == tuple(expected.values())
+    assert remote.counter_values() == tuple(expected.values())
 
 
 def test_fetch_keys_carry_the_schedulers_kv_cache_group() -> None:
@@ -61,8 +60,8 @@ def test_fetch_keys_carry_the_schedulers_kv_cache_group() -> None:
     req = FakeRequest("r", list(range(13)), BS)  # 3 full blocks + 1 token
     ask(sched, req, 3)
     meta = sched.build_connector_meta([])
-    assert meta.fetch_keys == [with_group_id(h, 1) for h in req.block_hashes[:3]]
-    sched.update_connector_output(WorkerReport(completed_fetch_events=[meta.fetch_event]))
+    assert tier_ops(meta).fetch_keys == [with_group_id(h, 1) for h in req.block_hashes[:3]]
+    sched.update_connector_output(tier_report(completed_fetch_events=[tier_ops(meta).fetch_event]))
     assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
 
 
@@ -76,8 +75,8 @@ def test_reset_before_the_fetch_is_sent_fails_it_too() -> None:
     # 2. reset_cache, then the metadata sends the fetch and the worker completes it
     assert sched.reset_cache()
     meta = sched.build_connector_meta([])
-    assert meta.fetch_event == 0 and len(meta.fetch_cpu_blocks) == 3
-    sched.update_connector_output(WorkerReport(completed_fetch_events=[0]))
+    assert tier_ops(meta).fetch_event == 0 and len(tier_ops(meta).fetch_cpu_blocks) == 3
+    sched.update_connector_output(tier_report(completed_fetch_events=[0]))
     # 3. nothing of it is on the CPU tier
     assert not any(with_group_id(h, 0) in sched.cpu_pool.cached for h in req.block_hashes)
     sched.request_finished(req)

@@ -5,7 +5,7 @@ test for (docs/mutation.md). Each test names the rule it pins. A hand-driven sta
 from __future__ import annotations
 
 import pytest
-from helpers import FakeRequest, finish
+from helpers import FakeRequest, finish, tier_ops, tier_report
 from test_remote_scheduler import BS, IDENTITY, HandLookups, admit, make, store_all
 
 from offload_connector.config import load_config
@@ -24,11 +24,11 @@ def make_with(num_cpu_blocks: int = 20, group_id: int = 0, remote: dict | None =
                        "remote": {"url": "redis://127.0.0.1:1/0", **(remote or {})}})
     gpu = BlockPool(100)
     sched = OffloadScheduler(cfg, BS, num_cpu_blocks, BlockPoolGpuView(gpu), 1, group_id=group_id,
-                             remote_identity=IDENTITY)
-    sched.remote.lookups.close()
-    sched.remote.lookups = HandLookups(sched.remote.lookups.client)
+                             tier_identity=IDENTITY)
+    sched.tiers["remote"].lookups.close()
+    sched.tiers["remote"].lookups = HandLookups(sched.tiers["remote"].lookups.client)
     now = [0.0]
-    sched.remote.clock = lambda: now[0]
+    sched.tiers["remote"].clock = lambda: now[0]
     return sched, gpu, now
 
 
@@ -36,26 +36,26 @@ def test_nothing_to_ask_asks_nothing() -> None:
     """start() with an empty range (first == last) submits no question and the request does not wait."""
     sched, _, _ = make()
     req = FakeRequest("r", list(range(17)), BS)
-    assert sched.remote.start(RequestState(req), req.block_hashes, 3, 3) is False
-    assert sched.remote.lookups.questions == {} and sched.remote.num_waiting == 0
+    assert sched.tiers["remote"].start(RequestState(req), req.block_hashes, 3, 3) is False
+    assert sched.tiers["remote"].lookups.questions == {} and sched.tiers["remote"].num_waiting == 0
 
 
 def test_the_question_covers_the_blocks_from_the_first_miss_to_the_last() -> None:
     sched, _, _ = make()
     req = FakeRequest("r", list(range(25)), BS)  # 6 full blocks
-    assert sched.remote.start(RequestState(req), req.block_hashes, 2, 5) is True
-    assert sched.remote.lookups.questions[0] == req.block_hashes[2:5]
+    assert sched.tiers["remote"].start(RequestState(req), req.block_hashes, 2, 5) is True
+    assert sched.tiers["remote"].lookups.questions[0] == req.block_hashes[2:5]
 
 
 def test_an_open_breaker_skips_lookups_and_counts_each() -> None:
     """While the breaker is open nobody waits on the tier; every skipped lookup is counted."""
     sched, gpu, _ = make()
-    sched.remote.lookups.client.breaker.on_failure()
-    assert sched.remote.lookups.client.breaker.state == "open"
+    sched.tiers["remote"].lookups.client.breaker.on_failure()
+    assert sched.tiers["remote"].lookups.client.breaker.state == "open"
     for i in range(2):
         hit, ids = admit(sched, gpu, FakeRequest(f"r{i}", [i * 100 + t for t in range(9)], BS))
         assert hit == 0
-    assert sched.remote.counters.lookups_skipped == 2 and sched.remote.lookups.questions == {}
+    assert sched.tiers["remote"].counters.lookups_skipped == 2 and sched.tiers["remote"].lookups.questions == {}
 
 
 def test_the_deadline_is_timeout_ms_after_the_question() -> None:
@@ -66,7 +66,7 @@ def test_the_deadline_is_timeout_ms_after_the_question() -> None:
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # still within the 1 s
     now[0] = 1.0
     assert sched.get_num_new_matched_tokens(req, 0)[0] == 0
-    assert sched.remote.counters.lookup_timeouts == 1
+    assert sched.tiers["remote"].counters.lookup_timeouts == 1
 
 
 def test_every_timeout_is_counted() -> None:
@@ -77,16 +77,16 @@ def test_every_timeout_is_counted() -> None:
     now[0] = 1.0
     for req in reqs:
         assert sched.get_num_new_matched_tokens(req, 0)[0] == 0
-    assert sched.remote.counters.lookup_timeouts == 2
+    assert sched.tiers["remote"].counters.lookup_timeouts == 2
 
 
 def test_a_one_block_answer_is_fetched() -> None:
     sched, gpu, _ = make()
     req = FakeRequest("r", list(range(9)), BS)
     admit(sched, gpu, req)
-    sched.remote.lookups.answers[0] = 1
+    sched.tiers["remote"].lookups.answers[0] = 1
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
-    assert sched.build_connector_meta([]).fetch_keys == [with_group_id(req.block_hashes[0])]
+    assert tier_ops(sched.build_connector_meta([])).fetch_keys == [with_group_id(req.block_hashes[0])]
 
 
 def test_a_request_waits_for_its_fetch_without_store_waits() -> None:
@@ -95,13 +95,13 @@ def test_a_request_waits_for_its_fetch_without_store_waits() -> None:
     sched, gpu, _ = make_with(max_store_wait_steps=0)
     req = FakeRequest("r", list(range(13)), BS)
     admit(sched, gpu, req)
-    sched.remote.lookups.answers[0] = 3
+    sched.tiers["remote"].lookups.answers[0] = 3
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # the fetch is issued
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # ... and queued: wait, same step
     sched.check_integrity()  # the queued fetch holds its blocks
     sched.build_connector_meta([])
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # sent, not complete
-    sched.update_connector_output(WorkerReport(completed_fetch_events=[0]))
+    sched.update_connector_output(tier_report(completed_fetch_events=[0]))
     assert sched.get_num_new_matched_tokens(req, 0) == (3 * BS, True)
 
 
@@ -111,14 +111,14 @@ def test_a_fetch_that_outlives_the_deadline_stops_the_wait_once() -> None:
     sched, gpu, now = make(timeout_ms=100)
     req = FakeRequest("r", list(range(13)), BS)
     admit(sched, gpu, req)
-    sched.remote.lookups.answers[0] = 3
+    sched.tiers["remote"].lookups.answers[0] = 3
     sched.get_num_new_matched_tokens(req, 0)
     sched.build_connector_meta([])
     now[0] = 0.5
     for _ in range(3):
         sched.get_num_new_matched_tokens(req, 0)  # the blocks are still being received
-    assert sched.remote.counters.lookup_timeouts == 1 and sched.remote.num_waiting == 0
-    sched.update_connector_output(WorkerReport(completed_fetch_events=[0]))
+    assert sched.tiers["remote"].counters.lookup_timeouts == 1 and sched.tiers["remote"].num_waiting == 0
+    sched.update_connector_output(tier_report(completed_fetch_events=[0]))
     sched.check_integrity()
 
 
@@ -130,9 +130,9 @@ def test_the_fetch_stops_at_a_block_the_cpu_already_has() -> None:
     sched.cpu_pool.cache(block, with_group_id(req.block_hashes[1]))
     sched.cpu_pool.free([block])
     admit(sched, gpu, req)
-    sched.remote.lookups.answers[0] = 3
+    sched.tiers["remote"].lookups.answers[0] = 3
     sched.get_num_new_matched_tokens(req, 0)
-    assert sched.build_connector_meta([]).fetch_keys == [with_group_id(req.block_hashes[0])]
+    assert tier_ops(sched.build_connector_meta([])).fetch_keys == [with_group_id(req.block_hashes[0])]
 
 
 def test_no_cpu_room_means_no_fetch_and_no_wait() -> None:
@@ -141,9 +141,9 @@ def test_no_cpu_room_means_no_fetch_and_no_wait() -> None:
     held = sched.cpu_pool.allocate(1)
     req = FakeRequest("r", list(range(9)), BS)
     admit(sched, gpu, req)
-    sched.remote.lookups.answers[0] = 2
+    sched.tiers["remote"].lookups.answers[0] = 2
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    assert sched.remote.num_waiting == 0 and sched.build_connector_meta([]).fetch_event is None
+    assert sched.tiers["remote"].num_waiting == 0 and tier_ops(sched.build_connector_meta([])).fetch_event is None
     sched.cpu_pool.free(held)
 
 
@@ -155,11 +155,11 @@ def test_the_fetch_never_evicts_own_cpu_hits_in_any_group() -> None:
     store_all(sched, gpu, FakeRequest("x", list(range(100, 108)), BS))
     b = FakeRequest("b", list(range(17)), BS)
     assert admit(sched, gpu, b) == (None, [])
-    sched.remote.lookups.answers[0] = 2
+    sched.tiers["remote"].lookups.answers[0] = 2
     sched.get_num_new_matched_tokens(b, 0)
     meta = sched.build_connector_meta([])
-    assert meta.fetch_keys == [with_group_id(h, 1) for h in b.block_hashes[2:4]]
-    sched.update_connector_output(WorkerReport(completed_fetch_events=[meta.fetch_event]))
+    assert tier_ops(meta).fetch_keys == [with_group_id(h, 1) for h in b.block_hashes[2:4]]
+    sched.update_connector_output(tier_report(completed_fetch_events=[tier_ops(meta).fetch_event]))
     hit, _ = admit(sched, gpu, b)
     assert hit == 4 * BS
 
@@ -170,41 +170,41 @@ def two_fetches(sched, gpu):
     for i in range(2):
         req = FakeRequest(f"r{i}", [i * 100 + t for t in range(9)], BS)
         admit(sched, gpu, req)
-        sched.remote.lookups.answers[i] = 2
+        sched.tiers["remote"].lookups.answers[i] = 2
         sched.get_num_new_matched_tokens(req, 0)
-        assert sched.build_connector_meta([]).fetch_event == i  # event ids count up by one
+        assert tier_ops(sched.build_connector_meta([])).fetch_event == i  # event ids count up by one
         reqs.append(req)
     return reqs
 
 
 def test_worker_counters_add_up_over_reports() -> None:
     sched, _, _ = make()
-    sched.update_connector_output(WorkerReport(remote_counters={"written_blocks": 2}))
-    sched.update_connector_output(WorkerReport(remote_counters={"written_blocks": 3, "fetched_blocks": 1}))
-    assert sched.remote.worker_counters == {"written_blocks": 5, "fetched_blocks": 1}
+    sched.update_connector_output(tier_report(counters={"written_blocks": 2}))
+    sched.update_connector_output(tier_report(counters={"written_blocks": 3, "fetched_blocks": 1}))
+    assert sched.tiers["remote"].worker_counters == {"written_blocks": 5, "fetched_blocks": 1}
 
 
 def test_the_next_event_id_is_not_issued_yet() -> None:
     sched, gpu, _ = make()
     two_fetches(sched, gpu)
     with pytest.raises(SchedulerError, match="never issued"):
-        sched.update_connector_output(WorkerReport(completed_fetch_events=[2]))
+        sched.update_connector_output(tier_report(completed_fetch_events=[2]))
 
 
 def test_a_late_completion_does_not_hide_the_next_one() -> None:
     sched, gpu, _ = make()
     sched.emit_kv_events = True
     two_fetches(sched, gpu)
-    sched.update_connector_output(WorkerReport(completed_fetch_events=[0]))
-    sched.update_connector_output(WorkerReport(completed_fetch_events=[0, 1]))  # 0 again: late, ignored
+    sched.update_connector_output(tier_report(completed_fetch_events=[0]))
+    sched.update_connector_output(tier_report(completed_fetch_events=[0, 1]))  # 0 again: late, ignored
     assert sched.is_idle() and len(sched.cpu_pool.cached) == 4
 
 
 def test_a_repeated_rank_does_not_hide_the_next_event() -> None:
     sched, gpu, _ = make(world_size=2)
     two_fetches(sched, gpu)
-    sched.update_connector_output(WorkerReport(rank=0, completed_fetch_events=[0, 0, 1]))
-    sched.update_connector_output(WorkerReport(rank=1, completed_fetch_events=[0, 1]))
+    sched.update_connector_output(tier_report(rank=0, completed_fetch_events=[0, 0, 1]))
+    sched.update_connector_output(tier_report(rank=1, completed_fetch_events=[0, 1]))
     assert sched.is_idle() and len(sched.cpu_pool.cached) == 4
 
 
@@ -213,7 +213,7 @@ def test_every_event_completed_in_one_report_is_published() -> None:
     sched.emit_kv_events = True
     reqs = two_fetches(sched, gpu)
     sched.take_events()
-    sched.update_connector_output(WorkerReport(completed_fetch_events=[0, 1]))
+    sched.update_connector_output(tier_report(completed_fetch_events=[0, 1]))
     stored = [e.block_hash for e in sched.take_events() if e.kind == "stored"]
     assert sorted(stored) == sorted(with_group_id(h) for r in reqs for h in r.block_hashes[:2])
     for req in reqs:

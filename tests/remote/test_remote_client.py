@@ -14,14 +14,15 @@ from offload_connector.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBre
 from offload_connector.remote.client import RemoteClient
 from offload_connector.remote.format import (
     HEADER_BYTES,
-    RemoteIdentity,
     block_key,
     decode_value,
     encode_value,
+    key_prefix,
 )
+from offload_connector.tier_identity import TierIdentity
 from scheduler_side.tiers.remote.lookups import RemoteLookups
 
-IDENTITY = RemoteIdentity(model="m", block_size=16, hash_algo="xxh3_128", layout="2x(2,16,2,8) float16")
+IDENTITY = TierIdentity(model="m", block_size=16, hash_algo="xxh3_128", layout="2x(2,16,2,8) float16")
 
 
 def remote_cfg(url, **kw):
@@ -69,14 +70,14 @@ def test_password_never_shows_in_errors() -> None:
 
 # ---- format -------------------------------------------------------------------------------------------
 def test_keys_separate_ranks_groups_models_and_layouts() -> None:
-    prefix = IDENTITY.key_prefix("oc")
+    prefix = key_prefix(IDENTITY, "oc")
     key = bytes(range(16)) + (3).to_bytes(4, "big")
     k = block_key(prefix, 1, 2, key)
     assert k.startswith(b"oc:v1:") and k.endswith(b":tp1of2:g3:" + bytes(range(16)).hex().encode())
     assert block_key(prefix, 0, 2, key) != k
-    other_model = RemoteIdentity(model="m2", block_size=16, hash_algo="xxh3_128", layout=IDENTITY.layout)
-    other_layout = RemoteIdentity(model="m", block_size=16, hash_algo="xxh3_128", layout="other")
-    assert len({prefix, other_model.key_prefix("oc"), other_layout.key_prefix("oc"), IDENTITY.key_prefix("x")}) == 4
+    other_model = TierIdentity(model="m2", block_size=16, hash_algo="xxh3_128", layout=IDENTITY.layout)
+    other_layout = TierIdentity(model="m", block_size=16, hash_algo="xxh3_128", layout="other")
+    assert len({prefix, key_prefix(other_model, "oc"), key_prefix(other_layout, "oc"), key_prefix(IDENTITY, "x")}) == 4
     assert other_layout.model_fingerprint() == IDENTITY.model_fingerprint()
 
 
@@ -201,7 +202,7 @@ def test_server_down_then_back_recovers_by_itself(redis_server) -> None:  # noqa
 
 def test_cluster_pipelines_span_slots(redis_cluster) -> None:  # noqa: F811
     client = RemoteClient(remote_cfg([n.url for n in redis_cluster]))
-    prefix = IDENTITY.key_prefix("oc")
+    prefix = key_prefix(IDENTITY, "oc")
     keys = [block_key(prefix, 0, 1, bytes([i]) * 16 + b"\0\0\0\0") for i in range(40)]
     assert client.set_nx_many([(k, k[-8:]) for k in keys], 60) == [True] * 40
     assert client.get_many(keys) == [k[-8:] for k in keys]

@@ -25,7 +25,7 @@ def test_second_engine_gets_remote_hits_on_the_first_ones_prefixes(redis_server,
         a.connector.emit_kv_events = True
         run_workload(a, wl_a)
         clean(a)
-        written = sum(w.remote.counters.written_blocks for w in a.workers)
+        written = sum(w.tier_ios["remote"].counters.written_blocks for w in a.workers)
         assert written > 0 and a.stats.cpu_hit_tokens == 0
         assert int(redis_server.cli("DBSIZE")) == written  # one key per block per rank
         # every block is published once, with medium REMOTE, when every rank's copy is on the server
@@ -36,12 +36,12 @@ def test_second_engine_gets_remote_hits_on_the_first_ones_prefixes(redis_server,
     with FakeEngine(remote_config(redis_server.url), tp_size=tp) as b:
         run_workload(b, wl_b)
         clean(b)
-        lookups, fetched = b.connector.remote.counters, sum(w.remote.counters.fetched_blocks for w in b.workers)
+        lookups, fetched = b.connector.tiers["remote"].counters, sum(w.tier_ios["remote"].counters.fetched_blocks for w in b.workers)
         assert lookups.lookup_hit_blocks > 0 and fetched == tp * lookups.lookup_hit_blocks
         # every prefix block (6 of 4 tokens, 6 requests) is a hit; B computed none of them, so the CPU hits
         # came from the server (a request preempted after its load may hit its own loaded blocks on the GPU)
         assert b.stats.gpu_hit_tokens + b.stats.cpu_hit_tokens == 4 * 6 * 6 and b.stats.cpu_hit_tokens >= 4 * 6 * 5
-        assert all(w.remote.counters.corrupt_blocks == 0 and w.remote.counters.errors == 0 for w in b.workers)
+        assert all(w.tier_ios["remote"].counters.corrupt_blocks == 0 and w.tier_ios["remote"].counters.errors == 0 for w in b.workers)
         outputs = b.outputs
     assert outputs == reference_outputs(wl_b)
 
@@ -55,12 +55,12 @@ def test_different_models_never_share_blocks(redis_server) -> None:  # noqa: F81
     with FakeEngine(other) as b:
         run_workload(b, one_per_prefix("b", shared, 6))
         clean(b)
-        assert b.stats.cpu_hit_tokens == 0 and b.connector.remote.counters.lookup_hit_blocks == 0
+        assert b.stats.cpu_hit_tokens == 0 and b.connector.tiers["remote"].counters.lookup_hit_blocks == 0
 
 
 def test_remote_off_by_default_connects_nowhere() -> None:
     with FakeEngine(small_config()) as engine:
-        assert engine.connector.remote is None and engine.worker.remote is None
+        assert engine.connector.tiers == {} and engine.worker.tier_ios == {}
 
 
 def test_reset_cache_turns_the_tier_off_for_this_instance(redis_server) -> None:  # noqa: F811
@@ -73,7 +73,7 @@ def test_reset_cache_turns_the_tier_off_for_this_instance(redis_server) -> None:
         keys = int(redis_server.cli("DBSIZE"))
         run_workload(b, one_per_prefix("b", shared, 2))
         clean(b)
-        assert b.stats.cpu_hit_tokens == 0 and b.connector.remote.counters.lookups == 0
+        assert b.stats.cpu_hit_tokens == 0 and b.connector.tiers["remote"].counters.lookups == 0
         assert int(redis_server.cli("DBSIZE")) == keys  # nothing written either
 
 
@@ -93,7 +93,7 @@ def test_write_back_on_cpu_evict_shares_what_the_cpu_tier_evicted(redis_server, 
         run_workload(b, wl_b)
         clean(b)
         assert b.stats.cpu_hit_tokens > 0 and worker_counter(b, "corrupt_blocks") == 0
-        assert worker_counter(b, "fetched_blocks") == tp * b.connector.remote.counters.lookup_hit_blocks
+        assert worker_counter(b, "fetched_blocks") == tp * b.connector.tiers["remote"].counters.lookup_hit_blocks
         outputs = b.outputs
     assert outputs == reference_outputs(wl_b)
 

@@ -11,11 +11,11 @@ from redis_servers import RedisServer, redis_server, require_redis  # noqa: F401
 from remote_helpers import clean, one_per_prefix, prefixes, reference_outputs, remote_config, worker_counter
 
 from offload_connector.fake_engine import FakeEngine
-from offload_connector.fake_engine.engine import remote_identity
+from offload_connector.fake_engine.engine import tier_identity
 from offload_connector.fake_engine.workload import run_workload
 from offload_connector.hashing import hash_request_tokens, with_group_id
 from offload_connector.remote.breaker import OPEN
-from offload_connector.remote.format import block_key, decode_value
+from offload_connector.remote.format import block_key, decode_value, key_prefix
 
 SHARED = prefixes(7, 6)
 
@@ -51,8 +51,8 @@ def test_server_killed_mid_run_and_restarted(redis_server) -> None:  # noqa: F81
         clean_after = engine.check()
         assert clean_after == 0 and engine.stats.integrity_errors == 0
         assert engine.stats.finished_requests == 12
-        errors = worker_counter(engine, "errors") + engine.connector.remote.counters.errors
-        assert errors > 0 and engine.worker.remote.breaker.num_trips > 0
+        errors = worker_counter(engine, "errors") + engine.connector.tiers["remote"].counters.errors
+        assert errors > 0 and engine.worker.tier_ios["remote"].breaker.num_trips > 0
         # 2. the server comes back (empty): the breaker lets a trial through by itself, writes resume
         redis_server.start()
         written = worker_counter(engine, "written_blocks")
@@ -70,9 +70,9 @@ def test_server_stalled_longer_than_timeout(redis_server) -> None:  # noqa: F811
     redis_server.pause()  # SIGSTOP: connections hang instead of failing
     try:
         engine, _ = run_b(redis_server.url, timeout_ms=100, breaker_backoff_ms=60000, breaker_max_backoff_ms=60000)
-        lookups = engine.connector.remote.counters
+        lookups = engine.connector.tiers["remote"].counters
         assert lookups.lookup_timeouts + lookups.errors > 0 and engine.stats.cpu_hit_tokens == 0
-        assert engine.connector.remote.lookups.client.breaker.state == OPEN
+        assert engine.connector.tiers["remote"].lookups.client.breaker.state == OPEN
         # 2. later requests do not wait at all while the breaker is open
         run_workload(engine, one_per_prefix("c", prefixes(9, 3), 5))
         clean(engine)
@@ -92,7 +92,7 @@ def test_maxmemory_reached_evicts_and_stays_correct(redis_server) -> None:  # no
     assert written > 0 and redis_server.info("evicted_keys") > 0
     # 2. B fetched what was left (a hole ends a request's run), never wrong bytes
     assert worker_counter(engine, "corrupt_blocks") == 0
-    assert engine.connector.remote.counters.lookup_hit_blocks < written
+    assert engine.connector.tiers["remote"].counters.lookup_hit_blocks < written
     engine.close()
 
 
@@ -105,7 +105,7 @@ def test_server_refusing_writes_when_full(tmp_path) -> None:
             run_workload(a, one_per_prefix("a", SHARED, 1))
             clean(a)
             assert worker_counter(a, "errors") > 0 and worker_counter(a, "dropped_writes") > 0  # OOM replies
-            assert a.worker.remote.breaker.state != OPEN  # a full server is up: no reason to stop asking
+            assert a.worker.tier_ios["remote"].breaker.state != OPEN  # a full server is up: no reason to stop asking
     finally:
         server.stop()
 
@@ -114,7 +114,7 @@ def test_corrupted_value_is_a_miss_and_deleted(redis_server) -> None:  # noqa: F
     assert seed_server(redis_server.url) > 0
     cfg = remote_config(redis_server.url)
     first_block = with_group_id(hash_request_tokens(SHARED[0], cfg.engine.block_size)[0], 0)
-    victim = block_key(remote_identity(cfg).key_prefix("t"), 0, 1, first_block).decode()  # B asks for it
+    victim = block_key(key_prefix(tier_identity(cfg), "t"), 0, 1, first_block).decode()  # B asks for it
     redis_server.cli("SETRANGE", victim, "40", "X")  # one payload byte changed; the header is intact
     engine, _ = run_b(redis_server.url)
     assert worker_counter(engine, "corrupt_blocks") == 1
@@ -134,8 +134,8 @@ def test_wrong_password_is_a_miss(tmp_path) -> None:
         wrong = f"redis://:wrong@127.0.0.1:{server.port}/0"
         engine, _ = run_b(wrong, breaker_backoff_ms=60000, breaker_max_backoff_ms=60000)
         assert engine.stats.cpu_hit_tokens == 0
-        assert engine.connector.remote.counters.errors > 0
-        assert engine.connector.remote.lookups.client.breaker.state == OPEN
+        assert engine.connector.tiers["remote"].counters.errors > 0
+        assert engine.connector.tiers["remote"].lookups.client.breaker.state == OPEN
         assert worker_counter(engine, "written_blocks") == 0 and worker_counter(engine, "dropped_writes") > 0
         engine.close()
     finally:
@@ -146,7 +146,7 @@ def test_wrong_password_is_a_miss(tmp_path) -> None:
 def test_no_server_at_all(url) -> None:
     require_redis()
     engine, _ = run_b(url, timeout_ms=50)
-    assert engine.stats.cpu_hit_tokens == 0 and engine.connector.remote.counters.errors > 0
+    assert engine.stats.cpu_hit_tokens == 0 and engine.connector.tiers["remote"].counters.errors > 0
     engine.close()
 
 
@@ -159,5 +159,5 @@ def test_a_failing_fetch_path_is_a_miss_not_a_stuck_request(redis_server, monkey
     monkeypatch.setattr("worker_side.tiers.remote_io.HostRows.write", broken)
     engine, _ = run_b(redis_server.url)  # finishes, every block verified, outputs unchanged
     assert engine.stats.cpu_hit_tokens == 0 and worker_counter(engine, "errors") > 0
-    assert engine.connector.remote.counters.lookup_hit_blocks > 0  # found, fetched, refused: recomputed
+    assert engine.connector.tiers["remote"].counters.lookup_hit_blocks > 0  # found, fetched, refused: recomputed
     engine.close()

@@ -5,12 +5,12 @@ test_remote_fake_engine.py, test_remote_faults.py."""
 from __future__ import annotations
 
 import pytest
-from helpers import FakeRequest, finish, step_done
+from helpers import FakeRequest, finish, step_done, tier_ops, tier_report
 
 from offload_connector.config import load_config
 from offload_connector.hashing import with_group_id
 from offload_connector.metadata import WorkerReport
-from offload_connector.remote.format import RemoteIdentity
+from offload_connector.tier_identity import TierIdentity
 from scheduler_side import BlockPool, BlockPoolGpuView, OffloadScheduler
 from scheduler_side.errors import SchedulerError
 from scheduler_side.request_state import Phase
@@ -18,7 +18,7 @@ from scheduler_side.request_state import Phase
 pytest.importorskip("redis", reason="the remote tier's client needs the `redis` package")
 
 BS = 4
-IDENTITY = RemoteIdentity(model="m", block_size=BS, hash_algo="xxh3_128", layout="test")
+IDENTITY = TierIdentity(model="m", block_size=BS, hash_algo="xxh3_128", layout="test")
 
 
 class HandLookups:
@@ -45,11 +45,11 @@ class HandLookups:
 def make(world_size: int = 1, num_cpu_blocks: int = 20, **remote):
     config = load_config({"store_policy": "eager", "num_cpu_blocks": num_cpu_blocks, "remote": {"url": "redis://127.0.0.1:1/0", **remote}})
     gpu = BlockPool(100)
-    sched = OffloadScheduler(config, BS, num_cpu_blocks, BlockPoolGpuView(gpu), world_size, remote_identity=IDENTITY)
-    sched.remote.lookups.close()  # the real thread: replaced by the hand-driven stand-in
-    sched.remote.lookups = HandLookups(sched.remote.lookups.client)
+    sched = OffloadScheduler(config, BS, num_cpu_blocks, BlockPoolGpuView(gpu), world_size, tier_identity=IDENTITY)
+    sched.tiers["remote"].lookups.close()  # the real thread: replaced by the hand-driven stand-in
+    sched.tiers["remote"].lookups = HandLookups(sched.tiers["remote"].lookups.client)
     now = [0.0]
-    sched.remote.clock = lambda: now[0]
+    sched.tiers["remote"].clock = lambda: now[0]
     return sched, gpu, now
 
 
@@ -67,24 +67,24 @@ def test_remote_hit_is_fetched_then_loaded() -> None:
     req = FakeRequest("r", list(range(17)), BS)  # 4 full blocks + 1 token
     # 1. CPU miss: the tier is asked about blocks 0..3, the request waits
     assert admit(sched, gpu, req) == (None, [])
-    assert sched.remote.lookups.questions[0] == req.block_hashes[:4]
+    assert sched.tiers["remote"].lookups.questions[0] == req.block_hashes[:4]
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)  # no answer yet: still waiting
     # 2. 3 blocks exist: they are reserved and fetched by this step's fetch event
-    sched.remote.lookups.answers[0] = 3
+    sched.tiers["remote"].lookups.answers[0] = 3
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
     meta = sched.build_connector_meta([])
     keys = [with_group_id(h, 0) for h in req.block_hashes[:3]]
-    assert meta.fetch_event == 0 and meta.fetch_keys == keys and len(meta.fetch_cpu_blocks) == 3
+    assert tier_ops(meta).fetch_event == 0 and tier_ops(meta).fetch_keys == keys and len(tier_ops(meta).fetch_cpu_blocks) == 3
     assert all(k in sched.cpu_pool.reserved for k in keys) and not sched.is_idle()
     sched.check_integrity()
     # 3. the fetch completes: the blocks are hit-able; the next lookup hits them and loads them
-    sched.update_connector_output(WorkerReport(completed_fetch_events=[0]))
+    sched.update_connector_output(tier_report(completed_fetch_events=[0]))
     hit, ids = admit(sched, gpu, req)
     assert hit == 3 * BS and sched.phase_of("r") is Phase.LOADING
-    assert sched.build_connector_meta([]).load_cpu_blocks == meta.fetch_cpu_blocks
+    assert sched.build_connector_meta([]).load_cpu_blocks == tier_ops(meta).fetch_cpu_blocks
     sched.update_connector_output(WorkerReport(finished_load_reqs=["r"]))
     finish(sched, gpu, req, ids)
-    assert sched.is_idle() and sched.remote.num_waiting == 0
+    assert sched.is_idle() and sched.tiers["remote"].num_waiting == 0
     sched.check_integrity()
 
 
@@ -96,9 +96,9 @@ def test_no_answer_within_timeout_means_no_remote_hit() -> None:
     assert sched.get_num_new_matched_tokens(req, 0) == (None, False)
     now[0] = 0.1  # timed out: the request goes on without the tier, and never asks it again
     hit, ids = admit(sched, gpu, req)
-    assert hit == 0 and sched.remote.counters.lookup_timeouts == 1 and sched.remote.lookups.cancelled == {0}
-    sched.remote.lookups.answers[0] = 2  # a late answer is never used
-    assert sched.remote.num_waiting == 0 and len(sched.remote.lookups.questions) == 1
+    assert hit == 0 and sched.tiers["remote"].counters.lookup_timeouts == 1 and sched.tiers["remote"].lookups.cancelled == {0}
+    sched.tiers["remote"].lookups.answers[0] = 2  # a late answer is never used
+    assert sched.tiers["remote"].num_waiting == 0 and len(sched.tiers["remote"].lookups.questions) == 1
     finish(sched, gpu, req, ids)
     sched.check_integrity()
 
@@ -107,22 +107,22 @@ def test_waiting_requests_are_bounded() -> None:
     sched, gpu, _ = make(max_waiting_requests=2)
     reqs = [FakeRequest(f"r{i}", [i * 100 + t for t in range(9)], BS) for i in range(3)]
     assert [admit(sched, gpu, r)[0] for r in reqs] == [None, None, 0]  # the third does not wait
-    assert sched.remote.counters.lookups_skipped == 1 and sched.remote.num_waiting == 2
+    assert sched.tiers["remote"].counters.lookups_skipped == 1 and sched.tiers["remote"].num_waiting == 2
     sched.request_finished(reqs[0])  # a finished request stops waiting: its question is dropped
-    assert sched.remote.num_waiting == 1 and 0 in sched.remote.lookups.cancelled
+    assert sched.tiers["remote"].num_waiting == 1 and 0 in sched.tiers["remote"].lookups.cancelled
 
 
 def test_fetch_with_two_ranks_fails_a_block_either_rank_failed() -> None:
     sched, gpu, _ = make(world_size=2)
     req = FakeRequest("r", list(range(17)), BS)
     admit(sched, gpu, req)
-    sched.remote.lookups.answers[0] = 4
+    sched.tiers["remote"].lookups.answers[0] = 4
     sched.get_num_new_matched_tokens(req, 0)
     meta = sched.build_connector_meta([])
-    cpu = meta.fetch_cpu_blocks
-    sched.update_connector_output(WorkerReport(rank=0, completed_fetch_events=[0]))
+    cpu = tier_ops(meta).fetch_cpu_blocks
+    sched.update_connector_output(tier_report(rank=0, completed_fetch_events=[0]))
     assert not sched.is_idle()  # rank 1 has not reported
-    sched.update_connector_output(WorkerReport(rank=1, completed_fetch_events=[0], failed_fetch_cpu_blocks=[cpu[1]]))
+    sched.update_connector_output(tier_report(rank=1, completed_fetch_events=[0], failed_fetch_cpu_blocks=[cpu[1]]))
     keys = [with_group_id(h, 0) for h in req.block_hashes[:4]]
     assert [k in sched.cpu_pool.cached for k in keys] == [True, False, True, True]
     assert next(iter(sched.cpu_pool.free_queue)).block_id == cpu[1]  # the failed block is evicted first
@@ -134,12 +134,12 @@ def test_finished_while_fetching_still_caches_and_leaks_nothing() -> None:
     sched, gpu, _ = make()
     req = FakeRequest("r", list(range(13)), BS)
     admit(sched, gpu, req)
-    sched.remote.lookups.answers[0] = 3
+    sched.tiers["remote"].lookups.answers[0] = 3
     sched.get_num_new_matched_tokens(req, 0)
     sched.request_finished(req)
     meta = sched.build_connector_meta([step_done("x", [], 0)])
-    assert meta.fetch_event == 0
-    sched.update_connector_output(WorkerReport(completed_fetch_events=[0]))
+    assert tier_ops(meta).fetch_event == 0
+    sched.update_connector_output(tier_report(completed_fetch_events=[0]))
     assert sched.is_idle() and len(sched.cpu_pool.cached) == 3
     sched.check_integrity()
 
@@ -148,32 +148,32 @@ def test_reset_fails_fetches_in_flight_and_turns_the_tier_off() -> None:
     sched, gpu, _ = make()
     req = FakeRequest("r", list(range(13)), BS)
     admit(sched, gpu, req)
-    sched.remote.lookups.answers[0] = 3
+    sched.tiers["remote"].lookups.answers[0] = 3
     sched.get_num_new_matched_tokens(req, 0)
     sched.build_connector_meta([])
     assert sched.reset_cache()
-    sched.update_connector_output(WorkerReport(completed_fetch_events=[0]))
+    sched.update_connector_output(tier_report(completed_fetch_events=[0]))
     assert not sched.cpu_pool.cached and sched.is_idle()
     other = FakeRequest("o", list(range(50, 63)), BS)
     assert admit(sched, gpu, other)[0] == 0  # not asked: the tier is off for this instance
-    assert len(sched.remote.lookups.questions) == 1
+    assert len(sched.tiers["remote"].lookups.questions) == 1
     sched.check_integrity()
 
 
 def test_a_fetch_event_never_issued_raises() -> None:
     sched, _, _ = make()
     with pytest.raises(SchedulerError, match="never issued"):
-        sched.update_connector_output(WorkerReport(completed_fetch_events=[5]))
+        sched.update_connector_output(tier_report(completed_fetch_events=[5]))
 
 
 def store_all(sched, gpu, req):
     """The request computes its prompt and its full blocks are stored, then it finishes."""
-    sched.remote.enabled = False  # stores only: no remote lookup for this one
+    sched.tiers["remote"].enabled = False  # stores only: no remote lookup for this one
     _, ids = admit(sched, gpu, req)
     meta = sched.build_connector_meta([step_done(req.request_id, ids, req.num_tokens)])
     sched.update_connector_output(WorkerReport(completed_store_events=[meta.store_event]))
     finish(sched, gpu, req, ids)
-    sched.remote.enabled = True
+    sched.tiers["remote"].enabled = True
 
 
 def test_the_fetch_never_evicts_the_requests_own_cpu_hits() -> None:
@@ -183,10 +183,10 @@ def test_the_fetch_never_evicts_the_requests_own_cpu_hits() -> None:
     store_all(sched, gpu, FakeRequest("x", list(range(100, 108)), BS))  # 2 more, more recent: the pool is full
     b = FakeRequest("b", list(range(17)), BS)  # a's 2 blocks, then 2 more that only the server has
     assert admit(sched, gpu, b) == (None, [])
-    assert sched.remote.lookups.questions[0] == b.block_hashes[2:4]  # asked from the first CPU miss on
-    sched.remote.lookups.answers[0] = 2
+    assert sched.tiers["remote"].lookups.questions[0] == b.block_hashes[2:4]  # asked from the first CPU miss on
+    sched.tiers["remote"].lookups.answers[0] = 2
     sched.get_num_new_matched_tokens(b, 0)
-    sched.update_connector_output(WorkerReport(completed_fetch_events=[sched.build_connector_meta([]).fetch_event]))
+    sched.update_connector_output(tier_report(completed_fetch_events=[tier_ops(sched.build_connector_meta([])).fetch_event]))
     hit, ids = admit(sched, gpu, b)
     assert hit == 4 * BS  # x's blocks were evicted for the fetch, not a's, which b was about to hit
     sched.check_integrity()
@@ -197,13 +197,13 @@ def test_blocks_on_the_server_are_published_once_every_rank_wrote_them() -> None
     there already); one rank's report, or one repeated, publishes nothing; never a REMOTE removal."""
     sched, _, _ = make(world_size=2)
     k1, k2 = with_group_id(b"\x01" * 16), with_group_id(b"\x02" * 16)
-    sched.update_connector_output([WorkerReport(rank=0, remote_written_keys=[k1, k2]),
-                                   WorkerReport(rank=0, remote_written_keys=[k1])])
+    sched.update_connector_output([tier_report(rank=0, written_keys=[k1, k2]),
+                                   tier_report(rank=0, written_keys=[k1])])
     assert sched.take_events() == []
-    sched.update_connector_output(WorkerReport(rank=1, remote_written_keys=[k2]))
+    sched.update_connector_output(tier_report(rank=1, written_keys=[k2]))
     [event] = sched.take_events()
     assert (event.kind, event.block_hash, event.medium) == ("stored", k2, "REMOTE")
-    sched.update_connector_output(WorkerReport(rank=1, remote_written_keys=[k1]))
+    sched.update_connector_output(tier_report(rank=1, written_keys=[k1]))
     assert [(e.block_hash, e.medium) for e in sched.take_events()] == [(k1, "REMOTE")]
 
 
@@ -212,18 +212,18 @@ def test_keys_one_rank_never_wrote_do_not_pile_up() -> None:
     bounded (the oldest go), so a rank that drops writes for hours costs no memory."""
     sched, _, _ = make(world_size=2, num_cpu_blocks=4)
     keys = [with_group_id(i.to_bytes(16, "big")) for i in range(100)]
-    sched.update_connector_output(WorkerReport(rank=0, remote_written_keys=keys))
-    assert len(sched.remote._on_server_ranks) == 4 * 4  # the newest 16 still wait for rank 1
-    sched.update_connector_output(WorkerReport(rank=1, remote_written_keys=keys[-16:]))
+    sched.update_connector_output(tier_report(rank=0, written_keys=keys))
+    assert len(sched.tiers["remote"]._on_server_ranks) == 4 * 4  # the newest 16 still wait for rank 1
+    sched.update_connector_output(tier_report(rank=1, written_keys=keys[-16:]))
     assert [e.block_hash for e in sched.take_events()] == keys[-16:]
-    assert not sched.remote._on_server_ranks
+    assert not sched.tiers["remote"]._on_server_ranks
 
 
 def test_one_rank_publishes_at_once_and_without_kv_events_nothing_is_kept() -> None:
     sched, _, _ = make(world_size=1)
     key = with_group_id(b"\x03" * 16)
-    sched.update_connector_output(WorkerReport(remote_written_keys=[key]))
+    sched.update_connector_output(tier_report(written_keys=[key]))
     assert [(e.block_hash, e.medium) for e in sched.take_events()] == [(key, "REMOTE")]
     sched.emit_kv_events = False
-    sched.update_connector_output(WorkerReport(remote_written_keys=[key]))
-    assert sched.take_events() == [] and sched.remote.take_on_server() == []
+    sched.update_connector_output(tier_report(written_keys=[key]))
+    assert sched.take_events() == [] and sched.tiers["remote"].take_written() == []

@@ -5,17 +5,18 @@ the pools are consistent (fetch events hold their blocks) and at the end every r
 
 import hypothesis.strategies as st
 import pytest
-from helpers import FakeRequest, report
+from helpers import FakeRequest, tier_ops, tier_report
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import initialize, precondition, rule
 from scheduler_machine import BS, PREFIXES, Running, SchedulerMachine
 
 from offload_connector.config import load_config
-from offload_connector.remote.format import RemoteIdentity
+from offload_connector.metadata import TierReport
+from offload_connector.tier_identity import TierIdentity
 from scheduler_side import BlockPool, BlockPoolGpuView, OffloadScheduler, StepRequest
 
 pytest.importorskip("redis", reason="the remote tier's client needs the `redis` package")
-IDENTITY = RemoteIdentity(model="m", block_size=BS, hash_algo="xxh3_128", layout="test")
+IDENTITY = TierIdentity(model="m", block_size=BS, hash_algo="xxh3_128", layout="test")
 
 
 class HandLookups:
@@ -50,11 +51,11 @@ class RemoteMachine(SchedulerMachine):
                                          "max_waiting_requests": 3}})
         self.gpu = BlockPool(24)
         self.sched = OffloadScheduler(config, BS, num_cpu_blocks, BlockPoolGpuView(self.gpu), world_size,
-                                      remote_identity=IDENTITY)
-        self.sched.remote.lookups.close()
-        self.lookups = self.sched.remote.lookups = HandLookups(self.sched.remote.lookups.client)
+                                      tier_identity=IDENTITY)
+        self.sched.tiers["remote"].lookups.close()
+        self.lookups = self.sched.tiers["remote"].lookups = HandLookups(self.sched.tiers["remote"].lookups.client)
         self.now = [0.0]
-        self.sched.remote.clock = lambda: self.now[0]
+        self.sched.tiers["remote"].clock = lambda: self.now[0]
         self.world_size = world_size
         self.reqs: dict[str, Running] = {}
         self.waiting: dict[str, FakeRequest] = {}  # looked up, answered None: asked again by `retry`
@@ -91,10 +92,10 @@ class RemoteMachine(SchedulerMachine):
         self.sent_loads.extend(meta.load_event_reqs)
         if meta.store_event is not None:
             self.stores[meta.store_event] = list(meta.store_gpu_blocks)
-        if meta.fetch_event is not None:
-            self.fetches[meta.fetch_event] = list(meta.fetch_cpu_blocks)
-        assert len(meta.write_cpu_blocks) == len(meta.write_keys)
-        for cpu_id, key in zip(meta.write_cpu_blocks, meta.write_keys, strict=True):
+        if tier_ops(meta).fetch_event is not None:
+            self.fetches[tier_ops(meta).fetch_event] = list(tier_ops(meta).fetch_cpu_blocks)
+        assert len(tier_ops(meta).write_cpu_blocks) == len(tier_ops(meta).write_keys)
+        for cpu_id, key in zip(tier_ops(meta).write_cpu_blocks, tier_ops(meta).write_keys, strict=True):
             assert self.sched.cpu_pool.blocks[cpu_id].block_hash != key  # evicted: no longer cached there
 
     @rule(data=st.data())
@@ -112,7 +113,7 @@ class RemoteMachine(SchedulerMachine):
     def retry(self, data, found):
         """Ask again for a waiting request, first answering its open question (found >= 0) if it has one."""
         req = self.waiting[data.draw(st.sampled_from(sorted(self.waiting)))]
-        wait = self.sched.transfers.requests[req.request_id].remote
+        wait = self.sched.tiers["remote"]._waits.get(req.request_id)
         if found >= 0 and wait is not None and wait.ticket in self.lookups.questions:
             self.lookups.answers[wait.ticket] = min(found, self.lookups.questions.pop(wait.ticket))
         self._admit(req, 0)
@@ -136,7 +137,8 @@ class RemoteMachine(SchedulerMachine):
         failed = {"none": [], "first": blocks[:1],
                   "some": data.draw(st.lists(st.sampled_from(blocks), min_size=1, unique=True)) if blocks else []}[fail]
         self.sched.update_connector_output(
-            self.every_rank(data, completed_fetch_events=[event], failed_fetch_cpu_blocks=failed))
+            self.every_rank(data, tiers=[TierReport(tier="remote", completed_fetch_events=[event],
+                                                    failed_fetch_cpu_blocks=failed)]))
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())
@@ -158,9 +160,9 @@ class RemoteMachine(SchedulerMachine):
         self._record(self.sched.build_connector_meta([]))
         for event in list(self.fetches):
             self.sched.update_connector_output(
-                [report(rank=r, completed_fetch_events=[event]) for r in range(self.world_size)])
+                [tier_report(rank=r, completed_fetch_events=[event]) for r in range(self.world_size)])
         self.fetches = {}
-        assert self.sched.remote.num_waiting == 0
+        assert self.sched.tiers["remote"].num_waiting == 0
         super().teardown()
 
 

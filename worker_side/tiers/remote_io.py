@@ -1,4 +1,5 @@
-"""One rank's traffic with the remote tier: fetches (server -> host pool) and writes (host pool -> server).
+"""`RemoteWorkerIO`: one rank's traffic with the remote tier, the Redis tier's `TierIO` (tiers/base.py):
+fetches (server -> host pool) and writes (host pool -> server).
 
 Two daemon threads, each with its own `RemoteClient`, sharing one breaker and one `RemoteCounters`:
 - the fetch thread takes fetch jobs (event id, CPU block ids, cache keys), GETs this rank's keys in
@@ -9,7 +10,7 @@ Two daemon threads, each with its own `RemoteClient`, sharing one breaker and on
   every rank's result, so nobody else reads or writes those rows meanwhile.
 - the write thread drains a queue of (key, payload) snapshots with pipelined `SET key value NX EX ttl`;
   the cache keys of blocks now on the server (written, or there already) go into the next report.
-  `enqueue_write` copies the blocks' bytes out of the host pool on the caller's thread, at store completion,
+  `write` copies the blocks' bytes out of the host pool on the caller's thread, at store completion,
   before the scheduler can hear of it and reuse the blocks: a write never reads a row that changed.
   The queue holds at most `max_inflight_bytes` of payload; beyond it, or while the breaker is open, blocks
   are dropped (`dropped_writes`). The server's `maxmemory-policy` (allkeys-lru) evicts; we never delete
@@ -25,13 +26,15 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
+from offload_connector.metadata import TierReport
 from offload_connector.remote.breaker import CircuitBreaker, RemoteCounters
 from offload_connector.remote.client import RemoteClient
 from offload_connector.remote.config import RemoteConfig
-from offload_connector.remote.format import block_key, decode_value, encode_value
+from offload_connector.remote.format import block_key, decode_value, encode_value, key_prefix
+from offload_connector.tier_identity import TierIdentity
 from worker_side.host_pool import HostPool
+from worker_side.tiers.base import TierIO
+from worker_side.tiers.host_rows import HostRows
 
 logger = logging.getLogger(__name__)
 BATCH_BLOCKS = 64  # at most this many blocks per pipelined round trip ...
@@ -49,29 +52,9 @@ class FetchResult:
     failed_cpu_ids: list[int] = field(default_factory=list)
 
 
-class HostRows:
-    """Read and write whole blocks of a host pool as bytes, in `HostPool[cpu_block_id]` order."""
+class RemoteWorkerIO(TierIO):
+    name = "remote"
 
-    def __init__(self, pool: HostPool) -> None:
-        self.bytes_per_block = pool.bytes_per_block
-        self._planes = [(v.tensor.numpy(), int(v.block_stride), [int(o) for o in v.chunk_offsets], v.chunk_bytes)
-                        for v in pool.views]
-
-    def read(self, cpu_block_id: int) -> bytes:
-        return b"".join(region[cpu_block_id * stride + o:cpu_block_id * stride + o + size].tobytes()
-                        for region, stride, offsets, size in self._planes for o in offsets)
-
-    def write(self, cpu_block_id: int, payload: memoryview) -> None:
-        src = np.frombuffer(payload, np.uint8)
-        pos = 0
-        for region, stride, offsets, size in self._planes:
-            for o in offsets:
-                start = cpu_block_id * stride + o
-                region[start:start + size] = src[pos:pos + size]
-                pos += size
-
-
-class RemoteWorkerIO:
     def __init__(self, remote: RemoteConfig, key_prefix: str, rank: int, world_size: int, pool: HostPool) -> None:
         self.remote, self.prefix, self.rank, self.world_size = remote, key_prefix, rank, world_size
         self.rows = HostRows(pool)
@@ -92,6 +75,11 @@ class RemoteWorkerIO:
                          threading.Thread(target=self._write_loop, name=f"remote-write-{rank}", daemon=True)]
         for t in self._threads:
             t.start()
+
+    @classmethod
+    def create(cls, section: RemoteConfig, identity: TierIdentity, rank: int, world_size: int,
+               pool: HostPool) -> RemoteWorkerIO:
+        return cls(section, key_prefix(identity, section.namespace), rank, world_size, pool)
 
     def key(self, cache_key: bytes) -> bytes:
         return block_key(self.prefix, self.rank, self.world_size, cache_key)
@@ -161,7 +149,7 @@ class RemoteWorkerIO:
             self._fetch_client.delete(corrupt)
 
     # ---- write ---------------------------------------------------------------------------------------
-    def enqueue_write(self, cpu_block_ids: Sequence[int], cache_keys: Sequence[bytes]) -> None:
+    def write(self, cpu_block_ids: Sequence[int], cache_keys: Sequence[bytes]) -> None:
         """Snapshot these just-stored blocks and queue them for the server (dropping what does not fit)."""
         size, limit = self.rows.bytes_per_block, self.remote.max_inflight_bytes
         if self.breaker.state == "open":
@@ -232,6 +220,15 @@ class RemoteWorkerIO:
         now["breaker_trips"] = self.breaker.num_trips
         last, self._reported = self._reported, now
         return {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
+
+    def take_report(self) -> TierReport:
+        report = TierReport(tier=self.name)
+        for fetch in self.poll():
+            report.completed_fetch_events.append(fetch.event_id)
+            report.failed_fetch_cpu_blocks.extend(fetch.failed_cpu_ids)
+        report.counters = self.take_counter_deltas()
+        report.written_keys = self.take_on_server_keys()
+        return report
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def wait_idle(self, timeout: float | None = None) -> bool:

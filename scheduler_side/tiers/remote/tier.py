@@ -1,6 +1,7 @@
-"""The scheduler's view of the remote tier: which requests wait on it, and the fetches it brings in.
+"""`RemoteTier`: the Redis tier behind the lower-tier interface (tiers/base.py): which requests wait on it,
+and the fetches it brings in.
 
-Flow for one request (at most once per request; `RequestState.remote` holds its `RemoteWait`):
+Flow for one request (at most once per request; `_waits` holds its `RemoteWait` until `forget`):
 1. its CPU lookup misses at block i (not being stored): `start` asks the lookup thread which of blocks
    i.. exist on the server (every rank's key) and the lookup answers None (ask again next step). Refused,
    so the request goes on without the tier, when `max_waiting_requests` requests already wait or the breaker
@@ -25,18 +26,31 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from offload_connector.hashing import with_group_id
-from offload_connector.metadata import TransferMetadata, WorkerReport
+from offload_connector.metadata import TierOps, TierReport, TransferMetadata
 from offload_connector.remote.breaker import RemoteCounters
-from offload_connector.remote.config import RemoteConfig
-from offload_connector.remote.format import RemoteIdentity
+from offload_connector.remote.config import RemoteConfig, redact, remote_urls
+from offload_connector.remote.format import key_prefix
 from scheduler_side.errors import SchedulerError
 from scheduler_side.pool.block_pool import BlockPool
 from scheduler_side.pool.free_queue import Block
-from scheduler_side.request_state import RemoteWait, RequestState
+from scheduler_side.request_state import RequestState
+from scheduler_side.tiers.base import LowerTier, TierContext
 from scheduler_side.tiers.remote.lookups import RemoteLookups
+from scheduler_side.tiers.remote.stats import DESCRIPTIONS, GAUGES, REMOTE_COUNTERS
 
 logger = logging.getLogger("scheduler_side.scheduler")
-REMOTE_COUNTERS = tuple(RemoteCounters.__dataclass_fields__) + ("breaker_trips",)
+
+
+@dataclass(slots=True)
+class RemoteWait:
+    """A request's one look at the remote tier: it waits (lookups answer None) while `ticket` (the
+    existence check) or `fetch_event` (the fetch it caused) is outstanding, until `deadline`."""
+
+    first_block: int  # the request's block index the remote run starts at (its first CPU miss)
+    deadline: float  # time.monotonic() after which the request stops waiting
+    ticket: int | None  # the existence check in flight, None once answered
+    fetch_event: int | None = None  # the fetch event bringing the run into the CPU tier
+    done: bool = False  # no longer waiting (answered, fetched, or timed out); never asks again
 
 
 @dataclass(slots=True)
@@ -51,7 +65,10 @@ class FetchEvent:
     failed: bool = False  # every block fails (reset_cache)
 
 
-class RemoteTier:
+class RemoteTier(LowerTier):
+    name, medium = "remote", "REMOTE"
+    COUNTERS, GAUGES, DESCRIPTIONS = REMOTE_COUNTERS, GAUGES, DESCRIPTIONS
+
     def __init__(self, remote: RemoteConfig, lookups: RemoteLookups, cpu_pool: BlockPool,
                  allocate_cpu: Callable[[int], list[Block]], world_size: int, group_id: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -59,6 +76,7 @@ class RemoteTier:
         self.counters: RemoteCounters = lookups.client.counters
         self._allocate_cpu, self.world_size, self.group_id = allocate_cpu, world_size, group_id
         self.clock = clock  # time.monotonic; tests pass their own
+        self._waits: dict[str, RemoteWait] = {}  # every live request asked about (done or not), until forget
         self._waiting: set[str] = set()  # requests with a RemoteWait not done
         self._events: dict[int, FetchEvent] = {}  # issued, not complete
         self._to_send: FetchEvent | None = None  # this step's fetches, sent by the next metadata
@@ -73,29 +91,50 @@ class RemoteTier:
         self._max_on_server_pending = 4 * cpu_pool.num_blocks
         self._on_server: list[bytes] = []
 
-    def values(self) -> tuple[int, ...]:
+    @classmethod
+    def create(cls, section: RemoteConfig, context: TierContext) -> RemoteTier:
+        """The tier with its lookup thread and client (connects on first use, never here). With
+        `write: on_cpu_evict`, it hears of the CPU pool's evictions."""
+        from offload_connector.remote.client import RemoteClient
+
+        lookups = RemoteLookups(RemoteClient(section), key_prefix(context.identity, section.namespace),
+                                context.world_size)
+        tier = cls(section, lookups, context.cpu_pool, context.allocate_cpu, context.world_size, context.group_id)
+        tier.wants_cpu_evictions = section.write == "on_cpu_evict"
+        return tier
+
+    @staticmethod
+    def describe(section: RemoteConfig) -> str:
+        return f"remote tier {', '.join(map(redact, remote_urls(section)))}"
+
+    def counter_values(self) -> tuple[int, ...]:
         """Both sides' counters summed, in `REMOTE_COUNTERS` order (for stats)."""
         mine, theirs = self.counters.snapshot(), self.worker_counters
         return tuple(mine.get(k, 0) + theirs.get(k, 0) for k in REMOTE_COUNTERS)
+
+    def gauges(self) -> dict[str, float]:
+        used, limit = self.lookups.server_memory
+        return {"breaker_open": int(self.lookups.client.breaker.state == "open"),
+                "waiting_requests": len(self._waiting), "server_used_bytes": used, "server_max_bytes": limit}
 
     # ---- lookups -------------------------------------------------------------------------------------
     def start(self, state: RequestState, hashes: Sequence[bytes], first: int, last: int) -> bool:
         """The request missed on the CPU at block `first`: ask the server about blocks first..last-1.
         True: the request waits (its lookup answers None)."""
-        if state.remote is not None or first >= last or not self.enabled:
+        if state.request_id in self._waits or first >= last or not self.enabled:
             return False
         if len(self._waiting) >= self.remote.max_waiting_requests or self.lookups.client.breaker.state == "open":
             self.counters.lookups_skipped += 1
             return False
         n = min(last - first, self.remote.max_lookup_blocks)
         ticket = self.lookups.submit(hashes[first:first + n], self.group_id)
-        state.remote = RemoteWait(first, self.clock() + self.remote.timeout_ms / 1000, ticket)
+        self._waits[state.request_id] = RemoteWait(first, self.clock() + self.remote.timeout_ms / 1000, ticket)
         self._waiting.add(state.request_id)
         return True
 
     def waiting(self, state: RequestState) -> bool:
         """Is the request still waiting on the tier? Issues its fetch when the lookup's answer is there."""
-        wait = state.remote
+        wait = self._waits.get(state.request_id)
         if wait is None or wait.done:
             return False
         if wait.ticket is not None:
@@ -154,14 +193,17 @@ class RemoteTier:
         return True
 
     def forget(self, state: RequestState) -> None:
-        """The request finished: it waits no more (an answer still coming is dropped)."""
-        wait = state.remote
+        """The request finished: it waits no more (an answer still coming is dropped), and is forgotten."""
+        wait = self._waits.pop(state.request_id, None)
         if wait is not None and not wait.done:
             if wait.ticket is not None:
                 self.lookups.cancel(wait.ticket)
             self._stop(state, wait)
 
     # ---- fetch events --------------------------------------------------------------------------------
+    def writes_stored(self) -> bool:
+        return self.enabled and self.remote.write == "on_store"
+
     def on_cpu_evict(self, block: Block) -> None:
         """`write: on_cpu_evict`: the CPU pool evicts `block` (its content still there until this step's
         copies start): have the workers write it first."""
@@ -169,27 +211,32 @@ class RemoteTier:
             self._evicted.append(block)
             self._evicted_keys.append(block.block_hash)
 
-    def fill_meta(self, meta: TransferMetadata) -> None:
-        """This step's fetch event and evicted blocks to write; call after every allocation of the step."""
-        if self._evicted:
-            meta.write_cpu_blocks = [b.block_id for b in self._evicted]
-            meta.write_keys = self._evicted_keys
-            self._evicted, self._evicted_keys = [], []
+    def emit(self, meta: TransferMetadata) -> None:
+        """This step's fetch event and evicted blocks to write, and whether to write its stored blocks;
+        call after every allocation of the step."""
+        stored = bool(meta.store_keys) and self.writes_stored()
         event = self._to_send
-        if event is None:
+        if event is None and not self._evicted and not stored:
             return
-        self._to_send = None
-        self._events[event.event_id] = event
-        meta.fetch_event = event.event_id
-        meta.fetch_cpu_blocks = [b.block_id for b in event.cpu_blocks]
-        meta.fetch_keys = list(event.keys)
+        ops = TierOps(tier=self.name, write_stored=stored)
+        if self._evicted:
+            ops.write_cpu_blocks = [b.block_id for b in self._evicted]
+            ops.write_keys = self._evicted_keys
+            self._evicted, self._evicted_keys = [], []
+        if event is not None:
+            self._to_send = None
+            self._events[event.event_id] = event
+            ops.fetch_event = event.event_id
+            ops.fetch_cpu_blocks = [b.block_id for b in event.cpu_blocks]
+            ops.fetch_keys = list(event.keys)
+        meta.tiers.append(ops)
 
-    def on_report(self, report: WorkerReport) -> list[bytes]:
+    def on_report(self, report: TierReport, rank: int) -> list[bytes]:
         """Apply one rank's fetch completions and counters; returns the keys that became hit-able on the CPU tier."""
-        for name, delta in report.remote_counters.items():
+        for name, delta in report.counters.items():
             self.worker_counters[name] = self.worker_counters.get(name, 0) + delta
-        if report.remote_written_keys:
-            self._note_on_server(report.remote_written_keys, report.rank)
+        if report.written_keys:
+            self._note_on_server(report.written_keys, rank)
         committed: list[bytes] = []
         failed = set(report.failed_fetch_cpu_blocks)
         for event_id in report.completed_fetch_events:
@@ -199,10 +246,10 @@ class RemoteTier:
                     raise SchedulerError(f"completion for fetch event {event_id}, which was never issued")
                 logger.warning("ignoring a late completion of fetch event %d", event_id)
                 continue
-            if report.rank in event.reported_ranks:
-                logger.warning("ignoring a repeated completion of fetch event %d from rank %d", event_id, report.rank)
+            if rank in event.reported_ranks:
+                logger.warning("ignoring a repeated completion of fetch event %d from rank %d", event_id, rank)
                 continue
-            event.reported_ranks.add(report.rank)
+            event.reported_ranks.add(rank)
             event.failed_cpu_ids.update(b.block_id for b in event.cpu_blocks if b.block_id in failed)
             if len(event.reported_ranks) == self.world_size:
                 committed += self._complete(event)
@@ -225,7 +272,7 @@ class RemoteTier:
                 del pending[key]
                 self._on_server.append(key)
 
-    def take_on_server(self) -> list[bytes]:
+    def take_written(self) -> list[bytes]:
         """Cache keys whose every rank's copy reached the server since the last call (KV events, medium
         REMOTE). The server evicts without telling anyone, so no removal ever follows."""
         keys, self._on_server = self._on_server, []
@@ -270,21 +317,3 @@ class RemoteTier:
 
     def close(self) -> None:
         self.lookups.close()
-
-
-def make_remote_tier(remote: RemoteConfig | None, identity: RemoteIdentity | None, cpu_pool: BlockPool,
-                     allocate_cpu: Callable[[int], list[Block]], world_size: int, group_id: int) -> RemoteTier | None:
-    """The tier with its lookup thread and client (connects on first use, never here); None without the
-    `remote:` section. With `write: on_cpu_evict`, it hears of the CPU pool's evictions."""
-    if remote is None:
-        return None
-    if identity is None:
-        raise ValueError("the remote tier (config `remote:`) needs the adapter to pass remote_identity; this "
-                         "adapter does not support it yet: remove the `remote:` section")
-    from offload_connector.remote.client import RemoteClient
-
-    lookups = RemoteLookups(RemoteClient(remote), identity.key_prefix(remote.namespace), world_size)
-    tier = RemoteTier(remote, lookups, cpu_pool, allocate_cpu, world_size, group_id)
-    if remote.write == "on_cpu_evict":
-        cpu_pool.on_evict_block = tier.on_cpu_evict
-    return tier

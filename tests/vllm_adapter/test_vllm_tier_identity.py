@@ -1,4 +1,4 @@
-"""The remote tier's identity under vLLM (offload_connector/vllm/remote_identity.py), from stand-in config objects:
+"""The lower tiers' identity under vLLM (offload_connector/vllm/tier_identity.py), from stand-in config objects:
 what must match for two instances to share keys, and the set-up that could never share (refused)."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from offload_connector.remote.format import key_prefix
 from offload_connector.vllm.engine_setup import KVCacheShape
 from offload_connector.vllm.errors import UnsupportedSetupError
-from offload_connector.vllm.remote_identity import vllm_remote_identity
+from offload_connector.vllm.tier_identity import vllm_tier_identity
 
 
 class FullAttentionSpec(SimpleNamespace):
@@ -31,7 +32,7 @@ def identity(monkeypatch, seed: str | None = "0", algo: str = "xxhash", model: s
         cache_config=SimpleNamespace(prefix_caching_hash_algo=algo, cache_dtype=cache_dtype))
     shape = KVCacheShape(block_size=16, bytes_per_block=2048, num_layers=2, num_gpu_blocks=100, world_size=tp,
                          layout=layout)
-    return vllm_remote_identity(vllm_config, kv_cache_config, shape).key_prefix("ns")
+    return key_prefix(vllm_tier_identity(vllm_config, kv_cache_config, shape), "ns")
 
 
 def test_equal_setups_share_keys_and_any_difference_separates_them(monkeypatch) -> None:

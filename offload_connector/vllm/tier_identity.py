@@ -1,8 +1,9 @@
-"""The remote tier's identity under vLLM: what two instances must share for their blocks to be byte-compatible.
+"""The lower tiers' identity under vLLM: what two instances must share for their blocks to be byte-compatible.
 
-`vllm_remote_identity(vllm_config, kv_cache_config, shape)` builds the `RemoteIdentity` both roles key the
-server with (offload_connector/remote/format.py). Model fingerprint: model, revision, dtype, KV-cache dtype, block size, the
-prefix-caching hash algorithm and the seed of vLLM's NONE_HASH (the root of every block-hash chain). Layout
+`vllm_tier_identity(vllm_config, kv_cache_config, shape)` builds the `TierIdentity` both roles hand every
+lower tier (offload_connector/tier_identity.py; the remote tier keys the server with it). Model
+fingerprint: model, revision, dtype, KV-cache dtype, block size, the prefix-caching hash algorithm and the
+seed of vLLM's NONE_HASH (the root of every block-hash chain). Layout
 fingerprint: the KV-cache spec (class, heads, head size, dtype), the layers in registration order, vLLM's
 KV-cache layout and the tensor-parallel size: a rank's block bytes are in that order in the host pool.
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from offload_connector.remote.format import RemoteIdentity
+from offload_connector.tier_identity import TierIdentity
 from offload_connector.vllm.engine_setup import KVCacheShape
 from offload_connector.vllm.errors import UnsupportedSetupError
 
@@ -24,14 +25,14 @@ CRYPTO_HASHES = ("sha256", "sha256_cbor")
 DEFAULT_SEED = "vllm-default-none-hash-seed"  # what the seed is called here when vLLM uses its fixed default
 
 
-def vllm_remote_identity(vllm_config: Any, kv_cache_config: Any, shape: KVCacheShape) -> RemoteIdentity:
+def vllm_tier_identity(vllm_config: Any, kv_cache_config: Any, shape: KVCacheShape) -> TierIdentity:
     model, cache = vllm_config.model_config, vllm_config.cache_config
     algo = str(cache.prefix_caching_hash_algo)
     seed = os.getenv("PYTHONHASHSEED")
     if seed is None:
         if algo not in CRYPTO_HASHES:
             raise UnsupportedSetupError(
-                f"the remote tier (`remote:`) needs block hashes equal across instances: with "
+                f"a tier below the CPU tier (e.g. `remote:`) needs block hashes equal across instances: with "
                 f"prefix_caching_hash_algo={algo!r} vLLM seeds them at random unless PYTHONHASHSEED is set; "
                 "allowed: PYTHONHASHSEED set to the same value on every instance, or "
                 f"prefix_caching_hash_algo one of {', '.join(CRYPTO_HASHES)}")
@@ -43,6 +44,6 @@ def vllm_remote_identity(vllm_config: Any, kv_cache_config: Any, shape: KVCacheS
               f"{spec.head_size},dtype={spec.dtype},page={spec.page_size_bytes})"
               f" layers={','.join(layers)} layout={shape.layout} tp={shape.world_size} "
               f"bytes_per_block={shape.bytes_per_block}")
-    return RemoteIdentity(model=str(model.model), revision=str(model.revision or ""), dtype=str(model.dtype),
+    return TierIdentity(model=str(model.model), revision=str(model.revision or ""), dtype=str(model.dtype),
                           kv_cache_dtype=str(cache.cache_dtype), block_size=shape.block_size, hash_algo=algo,
                           hash_seed=seed, layout=layout)
