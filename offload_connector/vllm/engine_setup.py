@@ -37,8 +37,13 @@ from offload_connector.config import (
     load_config,
     merge_configs,
 )
-from offload_connector.sizing import Capacity, capacity, num_cpu_blocks
-from offload_connector.vllm.compat import hash_block_size, kv_cache_layout
+from offload_connector.sizing import SHM_DIR, Capacity, capacity, num_cpu_blocks
+from offload_connector.vllm.compat import (
+    hash_block_size,
+    kv_cache_layout,
+    kv_tp_replicas,
+    workers_on_one_host,
+)
 from offload_connector.vllm.errors import UnsupportedSetupError
 
 OUR_PACKAGES = ("offload_connector", "scheduler_side", "worker_side")
@@ -133,13 +138,35 @@ class KVCacheShape:
     # Per KV-cache group, in vLLM's order: (sliding window in tokens or None for full attention, vLLM's
     # extra_retained_tokens). One entry for a single-group model.
     groups: tuple[tuple[int | None, int], ...] = ((None, 0),)
+    # Ranks mapping one host pool (their KV byte-identical: MLA's latent; `shared_pool_ranks`); 1: own pools.
+    shared_by: int = 1
 
     def num_cpu_blocks(self, config: OffloadConfig) -> int:
-        return num_cpu_blocks(config, self.bytes_per_block, self.world_size)
+        return num_cpu_blocks(config, self.bytes_per_block, self.world_size, self.shared_by)
 
     def capacity(self, config: OffloadConfig) -> Capacity:
         """One rank's CPU tier for `config`: blocks (null block apart), bytes and tokens."""
-        return capacity(config, self.bytes_per_block, self.block_size, self.world_size)
+        return capacity(config, self.bytes_per_block, self.block_size, self.world_size, self.shared_by)
+
+
+def shared_pool_ranks(vllm_config: Any, kv_cache_config: Any, config: OffloadConfig) -> int:
+    """How many ranks map one host pool: every TP rank when vLLM says each holds the same KV (MLA's
+    latent: `kv_tp_replicas` equal to the TP size), they are the whole engine, run on this host under vLLM's
+    multiprocess executor and no remote tier is configured (its keys are per rank); else 1."""
+    parallel = vllm_config.parallel_config
+    tp = int(parallel.tensor_parallel_size)
+    if (tp > 1 and kv_tp_replicas(kv_cache_config) == tp and int(parallel.world_size) == tp
+            and workers_on_one_host(parallel) and config.remote is None):
+        return tp
+    return 1
+
+
+def shared_pool_path(vllm_config: Any) -> str:
+    """The /dev/shm file of the pool the ranks of this engine share: named by vLLM's engine id (one per
+    engine, a fresh UUID unless the user set one) and the data-parallel rank."""
+    engine_id = vllm_config.kv_transfer_config.engine_id
+    dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
+    return f"{SHM_DIR}/offload_connector_{engine_id}_dp{dp_rank}.pool"
 
 
 def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
