@@ -24,6 +24,8 @@ Lifecycle and invariants:
   and nothing else of it is reported. Until then the scheduler keeps its GPU and CPU blocks out of every
   other use (completions.py), so the late copy writes only what a load of those tokens writes, into
   blocks nobody else holds. A wait for this step's loads never outlasts the deadline.
+- with a `shared_pool` (ranks whose KV is byte-identical: MLA's latent under TP) the host pool is one mapping
+  of every such rank; only its rank 0 copies stores, the others report theirs done at once (shared_pool.py).
 - with the remote tier (`config.remote` and a `remote_identity` from the adapter), `start_load` also hands
   the step's fetch event to `remote_io.RemoteWorkerIO`, `get_finished` reports finished fetches and queues a
   completed store's blocks for writing (their bytes are copied before the report leaves this rank).
