@@ -66,14 +66,16 @@ class OffloadScheduler:
     def __init__(self, config: OffloadConfig, block_size: int, num_cpu_blocks: int, gpu_pool: GpuPool,
                  world_size: int = 1, group_id: int = 0, max_blocks_per_step: int | None = None,
                  num_gpu_blocks: int | None = None, emit_kv_events: bool = True,
-                 tier_identity: TierIdentity | None = None, groups: tuple[KVGroup, ...] | None = None) -> None:
+                 tier_identity: TierIdentity | None = None, groups: tuple[KVGroup, ...] | None = None,
+                 lend_load_slots: bool = True) -> None:
         """`num_cpu_blocks`: the CPU tier per rank, the null block included (sizing.py computes it once for
         every face). `max_blocks_per_step`: the engine's allocation bound per step (lazy lookahead).
         `num_gpu_blocks`: the engine's GPU pool size (ARC and the admission filter remember GPU + CPU
         keys). `emit_kv_events`: keep BlockStored/BlockRemoved for `take_events` (off: none kept).
         `tier_identity`: what the lower tiers' keys name (needed with any lower tier). `groups`: the model's
         KV-cache groups (groups.py); None: one full-attention group, `group_id`. Several groups (a hybrid
-        model) need store_policy eager and no lower tier."""
+        model) need store_policy eager and no lower tier. `lend_load_slots` False: no store goes into a
+        slot a load of the same step reads (ranks sharing one host pool do not order their copies)."""
         if block_size <= 0 or world_size <= 0:
             raise ValueError(f"block_size={block_size} and world_size={world_size} must be positive")
         self.config, self.block_size, self.num_cpu_blocks, self.gpu_pool = config, block_size, num_cpu_blocks, gpu_pool
@@ -117,7 +119,7 @@ class OffloadScheduler:
         self.allocations = Allocations(self.transfers, self.cpu_pool, self.policy, self.stats, self.admissions,
                                        self.hybrid, block_size, group_id)
         self.stores = Stores(self.transfers, self.cpu_pool, gpu_pool, self.policy, self.stats, self.hybrid,
-                             self.allocate_cpu, self._tiers)
+                             self.allocate_cpu, self._tiers, lend_load_slots)
         self.completions = Completions(self.transfers, self.cpu_pool, gpu_pool, self.policy, self.stats,
                                        self.kv_events, self.tiers, world_size)
 

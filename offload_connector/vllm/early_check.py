@@ -21,9 +21,9 @@ from typing import Any
 
 from offload_connector.config import OffloadConfig
 from offload_connector.model_kv import DTYPE_BYTES, ModelConfigError, ModelKV
-from offload_connector.sizing import capacity, check_host_memory
-from offload_connector.vllm.compat import hybrid_manager_on, registered_module_path
-from offload_connector.vllm.engine_setup import resolve_config
+from offload_connector.sizing import capacity, check_host_memory, check_shared_memory, shm_free_bytes
+from offload_connector.vllm.compat import hybrid_manager_on, registered_module_path, uses_mla
+from offload_connector.vllm.engine_setup import ranks_sharing_a_pool, resolve_config
 from offload_connector.vllm.errors import UnsupportedSetupError
 
 logger = logging.getLogger(__name__)
@@ -150,5 +150,10 @@ def check_capacity(vllm_config: Any, config: OffloadConfig, available: int | Non
     if bytes_per_block is None:
         return
     parallel = vllm_config.parallel_config
-    cap = capacity(config, bytes_per_block, int(vllm_config.cache_config.block_size), int(parallel.world_size))
+    # MLA's latent is the same on every TP rank: one pool shared by the ranks, as the connector will size it.
+    shared_by = ranks_sharing_a_pool(parallel, int(parallel.tensor_parallel_size) if uses_mla(vllm_config) else 1,
+                                     config)
+    cap = capacity(config, bytes_per_block, int(vllm_config.cache_config.block_size), int(parallel.world_size),
+                   shared_by)
     check_host_memory(config, cap, ranks_on_host(parallel), available)
+    check_shared_memory(config, cap, shm_free_bytes())

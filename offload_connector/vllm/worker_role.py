@@ -28,22 +28,31 @@ import torch
 from offload_connector.config import OffloadConfig
 from offload_connector.metadata import TransferMetadata, WorkerReport, encode
 from offload_connector.tier_identity import TierIdentity
-from offload_connector.vllm.compat import tensor_parallel_rank
+from offload_connector.vllm.compat import tensor_parallel_barrier, tensor_parallel_rank
 from offload_connector.vllm.engine_setup import KVCacheShape
 from offload_connector.vllm.errors import UnsupportedSetupError
 from offload_connector.vllm.messages import OffloadWorkerMetadata, merge_reports
 from worker_side import OffloadWorker
+from worker_side.shared_pool import SharedPoolSpec
 
 
 class WorkerRole:
     """One rank's half of the connector: registers the KV tensors, issues loads and stores, reports back."""
 
     def __init__(self, config: OffloadConfig, shape: KVCacheShape, num_cpu_blocks: int,
-                 tier_identity: TierIdentity | None = None) -> None:
+                 tier_identity: TierIdentity | None = None, shared_pool_path: str | None = None) -> None:
+        """`shared_pool_path`: with `shape.shared_by` > 1 (every TP rank holds the same KV), the /dev/shm file
+        of the one host pool the ranks map; rank 0 stores into it, every rank loads from it."""
         self.shape = shape
         self.num_cpu_blocks = num_cpu_blocks  # what the scheduler role counts; the worker must agree
-        self.worker = OffloadWorker(config, world_size=shape.world_size, rank=tensor_parallel_rank(),
-                                    tier_identity=tier_identity)
+        rank = tensor_parallel_rank()
+        shared = None
+        if shape.shared_by > 1:
+            if shared_pool_path is None:
+                raise ValueError("a host pool shared by several ranks needs its path (our bug)")
+            shared = SharedPoolSpec(shared_pool_path, rank, shape.shared_by, tensor_parallel_barrier)
+        self.worker = OffloadWorker(config, world_size=shape.world_size, rank=rank,
+                                    tier_identity=tier_identity, shared_pool=shared)
         self._report: WorkerReport | None = None  # since the last build_connector_worker_meta
         self._failed_load_gpu_blocks: set[int] = set()  # since the last get_block_ids_with_load_errors
         self._failed_load_reqs: set[str] = set()  # since the last failed_load_requests (several groups)

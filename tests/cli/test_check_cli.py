@@ -14,6 +14,7 @@ from offload_connector.cli.main import main
 TESTS = Path(__file__).resolve().parents[1]
 LLAMA = str(TESTS / "tiny_llama" / "config.json")  # 2 layers, 2 KV heads of 32, float32
 GEMMA2 = str(TESTS / "tiny_gemma2" / "config.json")  # 4 layers alternating sliding window / full
+DEEPSEEK = str(TESTS / "tiny_deepseek" / "config.json")  # MLA: 2 layers, latent 512 + 64, float32
 
 
 def check(capsys, *args: str) -> tuple[int, str, str]:
@@ -53,6 +54,17 @@ def test_per_rank_bytes_blocks_and_tokens_for_a_model(capsys, offload_yaml) -> N
     assert result["per_rank"] == {"bytes": 4 * 2**30, "blocks": 2**19 - 1, "tokens": (2**19 - 1) * 16,
                                   "bytes_per_block": 8192}
     assert result["host"] == {"mem_available": 64 * 2**30, "needed": 8 * 2**30} and result["valid"] is True
+
+
+def test_an_mla_model_under_tp_shares_one_pool_among_the_ranks(capsys, offload_yaml) -> None:
+    """MLA's latent is the same on every rank: at TP 2 the ranks map one pool of the whole cpu_bytes."""
+    runs = [json.loads(check(capsys, str(offload_yaml), "--model-config", DEEPSEEK, "--block-size", "16",
+                             "--tp", tp, "--json")[1]) for tp in ("1", "2")]
+    blocks = (8 * 2**30) // (16 * 576 * 4 * 2) - 1
+    assert [r["per_rank"]["blocks"] for r in runs] == [blocks, blocks] and [r["shared_by"] for r in runs] == [1, 2]
+    assert runs[1]["host"]["needed"] == runs[0]["host"]["needed"]  # one pool on the host either way
+    code, out, _ = check(capsys, str(offload_yaml), "--model-config", DEEPSEEK, "--block-size", "16", "--tp", "2")
+    assert code == 0 and "one pool shared by the 2 ranks: MLA's latent is the same on each" in out
 
 
 def test_a_hybrid_model_follows_the_store_policy(capsys, tmp_path) -> None:

@@ -213,3 +213,23 @@ def test_a_missing_wait_for_the_load_is_an_integrity_error_in_the_engine(monkeyp
     assert caught(range(1, 40, 2), **lazy) == []
     monkeypatch.setattr(CudaBackend, "_wait_for_jobs", lambda self, job_ids, stream: None)
     assert caught(range(1, 40, 2), **lazy), "no run noticed the store racing the load"
+
+
+def test_a_scheduler_for_a_shared_host_pool_lends_no_loaded_slot() -> None:
+    """Ranks sharing one host pool (MLA's latent under TP) do not order their copies against one another's:
+    with `lend_load_slots=False` the same pressure-heavy workloads write no store into a slot loaded in the
+    same step, and every output is still right."""
+    loaded = 0
+    for seed in range(3):
+        wl = random_workload(seed, num_requests=40)
+        with FakeEngine(lazy_config()) as engine:
+            conn = engine.connector
+            assert conn is not None and conn.stores.lend_load_slots
+            conn.stores.lend_load_slots = False  # as OffloadScheduler(..., lend_load_slots=False) builds it
+            run_workload(engine, wl)
+            assert conn.stats.num_reused_load_slots == 0
+            loaded += conn.stats.num_loaded_blocks
+            assert engine.check() == 0 and engine.stats.integrity_errors == 0
+            assert_outputs_unchanged(engine, wl)
+            conn.check_integrity()
+    assert loaded > 0

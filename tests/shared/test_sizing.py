@@ -10,7 +10,14 @@ import pytest
 
 from offload_connector.config import ConfigError, load_config
 from offload_connector.model_kv import ModelConfigError, from_hf_config, read_hf_config
-from offload_connector.sizing import Capacity, capacity, check_host_memory, format_bytes, num_cpu_blocks
+from offload_connector.sizing import (
+    Capacity,
+    capacity,
+    check_host_memory,
+    check_shared_memory,
+    format_bytes,
+    num_cpu_blocks,
+)
 
 TESTS = Path(__file__).resolve().parents[1]
 LLAMA3_8B = {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -74,6 +81,30 @@ def test_num_cpu_blocks_above_memavailable_names_num_cpu_blocks() -> None:
     with pytest.raises(ConfigError) as err:
         check_host_memory(config, Capacity(10**6, 2**20, 16, 1), ranks_on_host=1, available=2**30)
     assert err.value.key == "num_cpu_blocks" and "<= 1,024 blocks of 1 MiB" in str(err.value)
+
+
+def test_a_pool_shared_by_every_rank_holds_what_one_rank_holds_at_tp_1() -> None:
+    """MLA under TP: the ranks map one pool, so cpu_bytes is not divided among them; the host holds it once."""
+    config = load_config({"cpu_bytes": "64MiB"})
+    one, shared = capacity(config, 73728, 16), capacity(config, 73728, 16, world_size=2, shared_by=2)
+    assert one.num_cpu_blocks == shared.num_cpu_blocks == 910
+    assert capacity(config, 73728, 16, world_size=2).num_cpu_blocks == 455  # a copy per rank: half
+    assert shared.describe().startswith("63.98 MiB shared by 2 ranks (replicated KV stored once) = 909 blocks")
+    check_host_memory(config, shared, ranks_on_host=2, available=shared.bytes_per_rank)  # one pool on the host
+    with pytest.raises(ValueError, match="multiple of shared_by"):
+        num_cpu_blocks(config, 73728, world_size=3, shared_by=2)
+
+
+def test_a_shared_pool_larger_than_dev_shm_is_refused_naming_cpu_bytes() -> None:
+    config = load_config({"cpu_bytes": "1GiB"})
+    shared = capacity(config, 2**20, 16, world_size=2, shared_by=2)
+    with pytest.raises(ConfigError) as err:
+        check_shared_memory(config, shared, free=64 * 2**20)
+    message = str(err.value)
+    assert err.value.key == "cpu_bytes" and "'1 GiB'" in message and "a pool <= 64 MiB here (64 blocks" in message
+    assert "--shm-size" in message and "/dev/shm, which has 64 MiB free" in message
+    check_shared_memory(config, shared, free=None)  # no /dev/shm to judge: nothing checked
+    check_shared_memory(config, capacity(config, 2**20, 16, world_size=2), free=0)  # no shared pool
 
 
 # ---- a model's KV shape from its config.json ------------------------------------------------------------

@@ -249,6 +249,25 @@ def test_fields_vllm_resolves_late(vllm_module) -> None:
 
 
 @pytest.mark.vllm
+def test_replicated_kv_and_one_host_read_what_vllm_resolves(vllm_module) -> None:
+    from vllm.config import DeviceConfig, ParallelConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    assert {f.name: f.default for f in dataclasses.fields(KVCacheConfig)}["kv_tp_replicas"] == 1
+    assert "device_type" in {f.name for f in dataclasses.fields(DeviceConfig)}
+    assert "distributed_executor_backend" in {f.name for f in dataclasses.fields(ParallelConfig)}
+    assert compat.kv_tp_replicas(SimpleNamespace(kv_tp_replicas=2)) == 2
+    assert compat.kv_tp_replicas(SimpleNamespace()) == 1  # built without the engine core
+    parallel = SimpleNamespace(distributed_executor_backend="mp", nnodes=1)
+    assert compat.workers_on_one_host(parallel)
+    assert not compat.workers_on_one_host(SimpleNamespace(distributed_executor_backend="ray", nnodes=1))
+    assert not compat.workers_on_one_host(SimpleNamespace(distributed_executor_backend="mp", nnodes=2))
+    mla_cpu = SimpleNamespace(model_config=SimpleNamespace(use_mla=True), device_config=SimpleNamespace(device_type="cpu"))
+    assert compat.uses_mla(mla_cpu) and compat.on_cpu(mla_cpu)
+    assert not compat.uses_mla(SimpleNamespace()) and not compat.on_cpu(SimpleNamespace())
+
+
+@pytest.mark.vllm
 def test_tensor_parallel_rank_outside_an_engine_is_zero(vllm_module) -> None:
     from vllm.distributed import parallel_state
 
@@ -289,10 +308,10 @@ def test_fields_the_adapter_reads_directly_exist(vllm_module) -> None:
     fields = {
         EngineArgs: {"kv_transfer_config", "kv_offloading_size", "kv_offloading_backend",
                      "disable_hybrid_kv_cache_manager"},
-        KVTransferConfig: {"kv_connector", "kv_connector_module_path", "kv_connector_extra_config"},
+        KVTransferConfig: {"kv_connector", "kv_connector_module_path", "kv_connector_extra_config", "engine_id"},
         VllmConfig: {"kv_transfer_config", "kv_events_config", "scheduler_config", "cache_config"},
         ParallelConfig: {"world_size", "nnodes", "data_parallel_size_local", "tensor_parallel_size",
-                         "pipeline_parallel_size"},
+                         "pipeline_parallel_size", "data_parallel_rank", "distributed_executor_backend"},
         CacheConfig: {"prefix_caching_hash_algo", "cache_dtype", "block_size", "enable_prefix_caching"},
         SchedulerConfig: {"max_num_batched_tokens", "max_num_seqs"},
         ModelConfig: {"disable_sliding_window", "model", "revision", "dtype", "hf_text_config"},

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from offload_connector.config import ConfigError
-from offload_connector.vllm.engine_setup import describe_kv_cache, resolve_config
+from offload_connector.vllm.engine_setup import describe_kv_cache, resolve_config, shared_pool_ranks
 from offload_connector.vllm.errors import UnsupportedSetupError
 
 
@@ -150,6 +150,37 @@ def test_hybrid_models_need_eager_stores_and_no_remote_tier() -> None:
 def test_unsupported_setups_fail_at_start_up(kwargs: dict, match: str) -> None:
     with pytest.raises(UnsupportedSetupError, match=match):
         describe_kv_cache(*fake_configs(**kwargs))
+
+
+def test_prefix_caching_off_says_what_to_set_and_why_mla_on_cpu_may_not_take_it() -> None:
+    vllm_config, kv_cache_config = fake_configs(prefix_caching=False)
+    with pytest.raises(UnsupportedSetupError, match=r"set enable_prefix_caching=True \(vllm serve "
+                                                    r"--enable-prefix-caching") as err:
+        describe_kv_cache(vllm_config, kv_cache_config)
+    assert "AMX" not in str(err.value)
+    vllm_config.model_config = SimpleNamespace(use_mla=True)
+    vllm_config.device_config = SimpleNamespace(device_type="cpu")
+    with pytest.raises(UnsupportedSetupError, match="turns it off for MLA models whatever was set, unless its "
+                                                    "AMX MLA backend runs"):
+        describe_kv_cache(vllm_config, kv_cache_config)
+
+
+@pytest.mark.parametrize(("tp", "replicas", "backend", "nnodes", "remote", "shared_by"), [
+    (2, 2, "mp", 1, False, 2),  # MLA at TP 2 on one host: one pool
+    (4, 4, "mp", 1, False, 4),
+    (2, 1, "mp", 1, False, 1),  # heads split across ranks: a pool each
+    (4, 2, "mp", 1, False, 1),  # 2 KV heads over 4 ranks: pairs replicate, not all ranks
+    (2, 2, "ray", 1, False, 1),  # workers possibly on other hosts
+    (2, 2, "mp", 2, False, 1),
+    (2, 2, "mp", 1, True, 1),  # the remote tier keys blocks per rank
+    (1, 1, "uni", 1, False, 1),
+])
+def test_ranks_share_a_pool_only_when_all_hold_the_same_kv_on_one_host(tp, replicas, backend, nnodes, remote,
+                                                                      shared_by) -> None:
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(
+        tensor_parallel_size=tp, world_size=tp, distributed_executor_backend=backend, nnodes=nnodes))
+    config = resolve_config({"remote": {"url": "redis://127.0.0.1:1"}} if remote else {})
+    assert shared_pool_ranks(vllm_config, SimpleNamespace(kv_tp_replicas=replicas), config) == shared_by
 
 
 def test_importing_the_package_does_not_import_vllm() -> None:
