@@ -36,7 +36,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -52,22 +51,10 @@ from worker_side.block_layout import BLOCK_FIRST, TensorBlockView, tensor_block_
 from worker_side.errors import LayoutError, WorkerClosedError, WorkerInvariantError
 from worker_side.host_memory import allocate_host_buffer
 from worker_side.host_pool import HostPool
+from worker_side.job_record import JobRecord, failed_requests
 from worker_side.shared_pool import SharedPoolSpec
 from worker_side.tiers.base import TierIO
 from worker_side.tiers.registry import check_tier_identity, make_tier_ios
-
-
-@dataclass(slots=True)
-class JobRecord:
-    kind: JobKind
-    event_id: int
-    num_blocks: int
-    submitted_at: float
-    load_reqs: tuple[str, ...] = ()  # the requests a load job resumes; empty for stores
-    load_req_num_blocks: tuple[int, ...] = ()  # blocks of each of load_reqs, in order (may be empty)
-    load_dst: np.ndarray | None = None  # a load's GPU block ids (to name the requests of failed blocks)
-    tier_writes: tuple[tuple[TierIO, ...], np.ndarray, list[bytes]] | None = None  # a store's: tiers, CPU blocks, keys
-    expired: bool = False  # a load reported as failed after the deadline; its copy may still run
 
 
 class OffloadWorker:
@@ -290,7 +277,7 @@ class OffloadWorker:
                 report.finished_load_reqs.extend(rec.load_reqs)
                 report.failed_load_gpu_blocks.extend(r.failed_dst_ids)
                 if len(r.failed_dst_ids):
-                    report.failed_load_reqs.extend(_failed_requests(rec, r.failed_dst_ids))
+                    report.failed_load_reqs.extend(failed_requests(rec, r.failed_dst_ids))
                 report.bytes_loaded += (rec.num_blocks - len(r.failed_dst_ids)) * bytes_per_block
                 report.load_seconds += seconds
             elif r.ok:
@@ -351,18 +338,3 @@ class OffloadWorker:
             self.shared_pool.unlink()  # normally gone since start-up
         for io in self.tier_ios.values():
             io.close()
-
-
-def _failed_requests(rec: JobRecord, failed_dst_ids: Sequence[int]) -> list[str]:
-    """The requests of a load job that own a failed GPU block: by `load_req_num_blocks` (each request's
-    blocks follow the previous one's), or all of them when the metadata did not say. O(job blocks)."""
-    counts = rec.load_req_num_blocks
-    if rec.load_dst is None or len(counts) != len(rec.load_reqs) or sum(counts) != len(rec.load_dst):
-        return list(rec.load_reqs)
-    failed = set(int(i) for i in failed_dst_ids)
-    out, start = [], 0
-    for req_id, count in zip(rec.load_reqs, counts, strict=True):
-        if any(int(i) in failed for i in rec.load_dst[start:start + count]):
-            out.append(req_id)
-        start += count
-    return out

@@ -10,7 +10,7 @@ from offload_connector.config import load_config
 from offload_connector.metadata import TransferMetadata
 from worker_side import CpuBackend, OffloadWorker
 from worker_side.testing.faults import FaultyBackend
-from worker_side.worker import JobRecord, _failed_requests
+from worker_side.job_record import JobRecord, failed_requests
 
 
 def record(counts: tuple[int, ...], dst: list[int]) -> JobRecord:
@@ -19,14 +19,14 @@ def record(counts: tuple[int, ...], dst: list[int]) -> JobRecord:
 
 def test_a_failed_block_names_only_the_request_it_belongs_to() -> None:
     rec = record((2, 1, 3), [5, 6, 7, 8, 9, 10])
-    assert _failed_requests(rec, [7]) == ["b"]
-    assert _failed_requests(rec, [6, 10]) == ["a", "c"]
-    assert _failed_requests(rec, []) == []
+    assert failed_requests(rec, [7]) == ["b"]
+    assert failed_requests(rec, [6, 10]) == ["a", "c"]
+    assert failed_requests(rec, []) == []
 
 
 def test_without_per_request_counts_every_request_of_the_job_is_named() -> None:
-    assert _failed_requests(record((), [5, 6, 7]), [7]) == ["a", "b", "c"]
-    assert _failed_requests(record((1, 1, 2), [5, 6, 7]), [7]) == ["a", "b", "c"]  # counts disagree
+    assert failed_requests(record((), [5, 6, 7]), [7]) == ["a", "b", "c"]
+    assert failed_requests(record((1, 1, 2), [5, 6, 7]), [7]) == ["a", "b", "c"]  # counts disagree
 
 
 def test_the_worker_reports_the_requests_of_a_failed_load() -> None:

@@ -1,0 +1,44 @@
+"""`JobRecord`: what the worker keeps of a copy job in flight, and which requests a failed load names.
+
+A record lives from `OffloadWorker._submit` until the backend reports the job (or, for a load past the
+deadline, until its late copy ends: `expired`). `failed_requests` maps a load's failed GPU blocks back to the
+requests that own them, so only those recompute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from worker_side.backends.base import JobKind
+from worker_side.tiers.base import TierIO
+
+
+@dataclass(slots=True)
+class JobRecord:
+    kind: JobKind
+    event_id: int
+    num_blocks: int
+    submitted_at: float
+    load_reqs: tuple[str, ...] = ()  # the requests a load job resumes; empty for stores
+    load_req_num_blocks: tuple[int, ...] = ()  # blocks of each of load_reqs, in order (may be empty)
+    load_dst: np.ndarray | None = None  # a load's GPU block ids (to name the requests of failed blocks)
+    tier_writes: tuple[tuple[TierIO, ...], np.ndarray, list[bytes]] | None = None  # a store's: tiers, CPU blocks, keys
+    expired: bool = False  # a load reported as failed after the deadline; its copy may still run
+
+
+def failed_requests(rec: JobRecord, failed_dst_ids: Sequence[int]) -> list[str]:
+    """The requests of a load job that own a failed GPU block: by `load_req_num_blocks` (each request's
+    blocks follow the previous one's), or all of them when the metadata did not say. O(job blocks)."""
+    counts = rec.load_req_num_blocks
+    if rec.load_dst is None or len(counts) != len(rec.load_reqs) or sum(counts) != len(rec.load_dst):
+        return list(rec.load_reqs)
+    failed = set(int(i) for i in failed_dst_ids)
+    out, start = [], 0
+    for req_id, count in zip(rec.load_reqs, counts, strict=True):
+        if any(int(i) in failed for i in rec.load_dst[start:start + count]):
+            out.append(req_id)
+        start += count
+    return out
