@@ -185,8 +185,8 @@ def test_a_big_job_is_spread_over_every_copy_thread(monkeypatch):
 
 
 def test_a_large_job_over_mixed_layouts_round_trips_bit_exact():
-    # enough bytes that the CPU backend splits the job across both threads
     """Found by mutation testing of worker_side/backends/cpu.py (docs/mutation.md)."""
+    # enough bytes that the CPU backend splits the job across both threads
     dense = random_bytes((64, 4096), 6)
     padded = random_bytes((64, 8192), 7)[:, :4096]
     kv = {"dense": dense, "padded": padded}

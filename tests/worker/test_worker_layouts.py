@@ -144,8 +144,8 @@ def test_vllm_layout_enum_members_are_accepted_by_name():
 
 # ---- registration -----------------------------------------------------------------------------------------
 def test_cross_layer_cache_takes_the_given_block_count_and_is_block_first():
-    # 1. kernel-block splitting: 2 rows per block when the engine says there are half as many blocks
     """Found by mutation testing of worker_side/worker.py (docs/mutation.md)."""
+    # 1. kernel-block splitting: 2 rows per block when the engine says there are half as many blocks
     raw = random_bytes((2 * NUM_GPU_BLOCKS, 3, 8), 1)
     w = cpu_worker()
     w.register_cross_layer_kv_cache(raw, NUM_GPU_BLOCKS)

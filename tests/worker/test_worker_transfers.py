@@ -210,8 +210,8 @@ def test_a_backend_reporting_a_job_never_submitted_is_our_bug():
 
 
 def test_waiting_for_this_steps_loads_never_waits_for_a_store():
-    # a held store would block forever: waiting for loads must not include it
     """Found by mutation testing of worker_side/worker.py (docs/mutation.md)."""
+    # a held store would block forever: waiting for loads must not include it
     faulty = FaultyBackend(CpuBackend(1), hold=lambda job: job.kind == "store")
     w = cpu_worker(backend=faulty)
     w.register_kv_caches({"l": random_bytes((NUM_GPU_BLOCKS, 64), 12)})
