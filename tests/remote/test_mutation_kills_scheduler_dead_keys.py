@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from helpers import lazy_under_pressure
-from test_mutation_kills_scheduler_remote_lookup import StandInClient, answer, hashes
+from test_remote_lookup_thread import StandInClient, answer, hashes
 
 from offload_connector.hashing import with_group_id
 from scheduler_side.pool.eviction.arc import ArcBlock, ArcEviction

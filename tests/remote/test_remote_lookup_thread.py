@@ -1,6 +1,6 @@
 """The remote tier's lookup thread (scheduler_side/tiers/remote/lookups.py) against a stand-in client: batching,
-cancellation, error and block accounting, and the thread's CPU-time figure. Behaviours the mutation run
-found no test for (docs/mutation.md); the real client and server: test_remote_client.py.
+cancellation, error and block accounting, the thread's CPU-time figure, and the gauges' memory poll apart
+from it. The real client and server: test_remote_client.py.
 
 The stand-in can hold the thread inside a call (`gate`), so that questions submitted meanwhile are asked
 together in the next round, which makes every batch deterministic."""
@@ -100,11 +100,14 @@ def hold_the_thread(client: StandInClient, lookups: RemoteLookups) -> int:
 
 
 def test_the_thread_is_a_daemon(lookups) -> None:
-    """A forgotten close() must not keep the process alive at exit."""
+    """A forgotten close() must not keep the process alive at exit.
+
+    Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
     assert lookups._thread.daemon is True
 
 
 def test_questions_waiting_together_are_asked_together_up_to_the_round_limit(client, lookups) -> None:
+    """Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
     first = hold_the_thread(client, lookups)
     tickets = [lookups.submit(hashes(1, 1), 0) for _ in range(MAX_QUESTIONS_PER_ROUND + 44)]
     client.gate.set()
@@ -113,6 +116,7 @@ def test_questions_waiting_together_are_asked_together_up_to_the_round_limit(cli
 
 
 def test_a_question_cancelled_before_its_round_is_never_asked(client, lookups) -> None:
+    """Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
     first = hold_the_thread(client, lookups)
     dropped, kept = lookups.submit(hashes(2, 3), 0), lookups.submit(hashes(3, 2), 0)
     lookups.cancel(dropped)
@@ -122,7 +126,20 @@ def test_a_question_cancelled_before_its_round_is_never_asked(client, lookups) -
     assert lookups.take(dropped) is None and not lookups._cancelled
 
 
+def test_cancelling_an_answered_question_forgets_its_answer(client) -> None:
+    """`cancel` of a question already answered drops the answer (it is never taken) and keeps nothing.
+
+    Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
+    lookups = RemoteLookups(client, "p", 1)
+    ticket = lookups.submit(hashes(14, 2), 0)
+    lookups.close()  # the thread answers everything queued before it stops
+    lookups.cancel(ticket)
+    assert lookups.take(ticket) is None
+    assert not lookups._cancelled  # noqa: SLF001 - nothing waits for an answer that will never come
+
+
 def test_each_failed_round_counts_one_error_and_the_thread_lives_on(client, lookups) -> None:
+    """Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
     client.failures = 2
     for seed in (4, 5):
         lookups.submit(hashes(seed, 1), 0)  # unanswered: its request times out
@@ -134,6 +151,7 @@ def test_each_failed_round_counts_one_error_and_the_thread_lives_on(client, look
 
 
 def test_blocks_asked_are_counted_for_every_question_of_a_round(client, lookups) -> None:
+    """Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
     first = hold_the_thread(client, lookups)
     a, b = lookups.submit(hashes(7, 3), 0), lookups.submit(hashes(8, 2), 0)
     client.gate.set()
@@ -142,6 +160,7 @@ def test_blocks_asked_are_counted_for_every_question_of_a_round(client, lookups)
 
 
 def test_a_round_the_server_cannot_answer_still_counts_every_question(client, lookups) -> None:
+    """Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
     first = hold_the_thread(client, lookups)
     client.answer_none = True
     a, b = lookups.submit(hashes(9, 3), 0), lookups.submit(hashes(10, 2), 0)
@@ -152,7 +171,9 @@ def test_a_round_the_server_cannot_answer_still_counts_every_question(client, lo
 
 def test_the_thread_cpu_time_adds_up_over_rounds(client, lookups) -> None:
     """`cpu_seconds` (a benchmark figure) is the thread's CPU time spent on rounds: at least what the calls
-    inside them took, at most all the CPU time the thread used so far."""
+    inside them took, at most all the CPU time the thread used so far.
+
+    Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
     client.burn = 200_000
     for seed in (11, 12):
         assert answer(lookups, lookups.submit(hashes(seed, 1), 0)) == 1
