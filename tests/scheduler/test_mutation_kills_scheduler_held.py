@@ -5,7 +5,7 @@ policy's estimate reads. Through the lazy tests' scripted `StorePolicyView` or a
 from __future__ import annotations
 
 from helpers import FakeRequest, admit, lazy_under_pressure, make_scheduler, report, step_done
-from test_mutation_kills_scheduler_lazy import ScriptedView, unsaved
+from lazy_view import ScriptedView, unsaved
 
 from offload_connector.hashing import with_group_id
 from scheduler_side.request_state import RequestState
