@@ -162,7 +162,6 @@ def test_arc_keeps_no_more_ghosts_than_it_has_blocks_and_drops_a_ghost_stored_ag
     assert b"k" not in pool.free_queue.b1 and pool.free_queue.p == 0.0
 
 
-
 def test_storing_a_key_again_drops_its_ghost_among_the_reused() -> None:
     """A reused key evicted from the CPU leaves a ghost in `b2`; stored again, it is on the CPU and no
     longer a ghost (a key is on the CPU or a ghost, never both: a stale ghost would skew ARC's target).
@@ -179,7 +178,6 @@ def test_storing_a_key_again_drops_its_ghost_among_the_reused() -> None:
     (block,) = pool.allocate(1)
     pool.cache(block, ghost)
     assert ghost not in q.b2 and ghost not in q.b1 and pool.lookup(ghost) is block
-
 
 
 def test_arc_remembers_exactly_its_history_of_reused_keys_newest_first():
@@ -396,7 +394,6 @@ def test_arc_hints_use_the_schedulers_group_id():
     sched.request_finished(req)
 
 
-
 def test_arc_remembers_reused_keys_of_both_tiers():
     """ARC keeps the keys reused lately for the GPU's blocks and the CPU's: a key reused long ago (here 30
     reuses ago, more than the CPU holds) still files its block as reused when it is stored again.
@@ -412,6 +409,34 @@ def test_arc_remembers_reused_keys_of_both_tiers():
     pool.commit([block])
     pool.free([block])
     assert block.seg == T2
+
+
+def test_arc_adapts_its_target_once_per_lookup_however_many_ghosts_it_misses():
+    """Megiddo & Modha: a lookup is one reference; three missed seen-once ghosts move p one step.
+
+    Found by mutation testing of scheduler_side/lookups.py (docs/mutation.md)."""
+    sched, gpu = make_scheduler(num_gpu_blocks=64, num_cpu_blocks=7, eviction="arc")
+
+    def run(req_id: str, tokens: list[int]) -> None:
+        req = FakeRequest(req_id, tokens, BS)
+        _, _, ids = admit(sched, gpu, req)
+        meta = sched.build_connector_meta([step_done(req_id, ids, len(tokens))])
+        sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+        assert sched.request_finished(req) == (False, None)
+        gpu.free([gpu.blocks[i] for i in reversed(ids)])
+
+    first, second = list(range(13)), [1000 + t for t in range(25)]  # 3 blocks, then 6 evicting them
+    run("a", first)
+    run("b", second)
+    q = sched.cpu_pool.free_queue
+    ghosts = [with_group_id(h, 0) for h in FakeRequest("k", first, BS).block_hashes]
+    assert all(g in q.b1 for g in ghosts)
+    p_before, b1, b2 = q.p, len(q.b1), len(q.b2)
+    again = FakeRequest("again", first, BS)
+    assert sched.get_num_new_matched_tokens(again, 0) == (0, False)
+    assert q.p == min(6.0, p_before + max(1.0, b2 / max(1, b1 - 1)))
+    assert not any(g in q.b1 for g in ghosts)  # all three were noted as reused
+    sched.request_finished(again)
 
 
 @pytest.mark.parametrize("seed", range(40))

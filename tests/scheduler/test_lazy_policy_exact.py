@@ -93,6 +93,13 @@ def test_a_deferred_admission_needs_whole_blocks():
     assert len(policy.pick_stores().gpu_ids) == 7  # (1 + 3) blocks of budget at 0.512 of a block per pick
 
 
+def test_a_request_with_nothing_left_to_allocate_is_never_deferred():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    view = ScriptedView(lazy_lookahead_blocks=1, frontier=unsaved(1, 8))
+    state = RequestState(FakeRequest("r", list(range(2 * BS)), BS), num_gpu_hit_blocks=2)
+    assert lazy_under_pressure(view).may_admit(state, 0)
+
+
 # ---- the window an admission draws from ----------------------------------------------------------------------
 def test_an_admissions_own_free_gpu_hits_do_not_count_as_blocks_it_takes():
     """Its GPU-hit blocks may be free at the frontier (saved there ahead): the allocation takes them out of

@@ -1,6 +1,7 @@
 """What a worker report does to the pools: a completed store caches its blocks and publishes KV events, a
 failed one (on any rank) frees its CPU blocks first in line, and a GPU block whose request is gone goes
-back to the GPU free queue as the most recently used once its transfer ends."""
+back to the GPU free queue as the most recently used once its transfer ends; a store event stays outstanding
+(what the lazy policy's estimate reads) until its completion is reported."""
 
 from __future__ import annotations
 
@@ -72,3 +73,15 @@ def test_kv_events_name_the_stored_and_the_evicted_keys():
     assert events[:2] == [("stored", k) for k in keys[0]]
     assert sorted(events[2:4]) == sorted(("removed", k) for k in keys[0])  # B's store evicted A's blocks
     assert events[4:] == [("stored", k) for k in keys[1]]
+
+
+def test_a_store_event_is_outstanding_until_its_completion_is_reported():
+    """Found by mutation testing of scheduler_side/policies/view.py (docs/mutation.md)."""
+    sched, gpu = make_scheduler(num_cpu_blocks=8)
+    req = FakeRequest("a", list(range(9)), BS)
+    _, _, ids = admit(sched, gpu, req)
+    meta = sched.build_connector_meta([step_done("a", ids, 9)])
+    view = sched.policy.view
+    assert view.is_store_outstanding(meta.store_event)
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    assert not view.is_store_outstanding(meta.store_event)
