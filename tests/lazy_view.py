@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from helpers import FakeRequest
 
+from offload_connector.hashing import with_group_id
 from scheduler_side.policies.lazy import LazyStorePolicy
 from scheduler_side.request_state import RequestState
 
@@ -84,3 +85,15 @@ def picks_per_step(policy: LazyStorePolicy, view: ScriptedView, event_id: int) -
     policy.on_stores_emitted(event_id, picks.gpu_ids)
     view.outstanding.add(event_id)
     return len(picks.gpu_ids)
+
+
+def dead_key_view(frontier: list[tuple[int, bytes | None]], dead: set[bytes], cpu_free: int = 100) -> ScriptedView:
+    """A view over a hand-made GPU frontier (its blocks are the free ones), some keys dead, none saved, a
+    lookahead of 8: between a live key and a dead one exactly `dead` differs."""
+    return ScriptedView(lazy_lookahead_blocks=8, num_gpu_blocks=100, frontier=frontier, dead=dead,
+                        dead_possible=True, cpu_free=cpu_free, gpu_free=len(frontier))
+
+
+def hashed_keys(n: int) -> list[bytes]:
+    """`n` distinct block keys of KV-cache group 0."""
+    return [with_group_id(bytes([i]) * 16) for i in range(n)]

@@ -1,6 +1,6 @@
 """The remote tier's lookup thread (scheduler_side/tiers/remote/lookups.py) against a stand-in client: batching,
-cancellation, error and block accounting, the thread's CPU-time figure, and the gauges' memory poll apart
-from it. The real client and server: test_remote_client.py.
+rounds (a question answered in full takes one), cancellation, error and block accounting, the thread's
+CPU-time figure, a close that never hangs on a stalled server, and the gauges' memory poll apart from it. The real client and server: test_remote_client.py.
 
 The stand-in can hold the thread inside a call (`gate`), so that questions submitted meanwhile are asked
 together in the next round, which makes every batch deterministic."""
@@ -13,7 +13,7 @@ import time
 import pytest
 
 from offload_connector.remote.breaker import RemoteCounters
-from scheduler_side.tiers.remote.lookups import MAX_QUESTIONS_PER_ROUND, RemoteLookups
+from scheduler_side.tiers.remote.lookups import BLOCKS_PER_ROUND, MAX_QUESTIONS_PER_ROUND, RemoteLookups
 
 pytest.importorskip("redis", reason="the remote tier's client needs the `redis` package")
 
@@ -185,6 +185,52 @@ def test_the_thread_cpu_time_adds_up_over_rounds(client, lookups) -> None:
     client.on_call = look
     assert answer(lookups, lookups.submit(hashes(13, 1), 0)) == 1
     assert 0 < seen["busy"] <= seen["cpu"] <= seen["thread"]
+
+
+def test_a_question_answered_in_full_takes_no_extra_round() -> None:
+    """Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
+    client = StandInClient()
+    lookups = RemoteLookups(client, "ns", world_size=1)
+    try:
+        assert answer(lookups, lookups.submit(hashes(1, BLOCKS_PER_ROUND), 0)) == BLOCKS_PER_ROUND
+        assert [len(call) for call in client.calls] == [1]
+    finally:
+        lookups.close()
+
+
+def test_a_question_cancelled_during_its_round_leaves_nothing_behind() -> None:
+    """Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
+    client = StandInClient()
+    lookups = RemoteLookups(client, "ns", world_size=1)
+    try:
+        client.gate.clear()
+        ticket = lookups.submit(hashes(2, 2), 0)
+        assert client.entered.wait(30)
+        lookups.cancel(ticket)  # no answer yet: remembered as cancelled until the round files it
+        client.gate.set()
+        assert answer(lookups, lookups.submit(hashes(3, 1), 0)) == 1  # that round is over
+        assert lookups.take(ticket) is None and not lookups._cancelled and not lookups._answers
+    finally:
+        lookups.close()
+
+
+def test_close_returns_while_the_server_does_not_answer() -> None:
+    """A stalled server (the thread stuck in a round trip) must not hang the engine's shutdown.
+
+    Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
+    client = StandInClient()
+    client.gate.clear()
+    client.gate_timeout = None  # stalled until the test lets it go
+    lookups = RemoteLookups(client, "ns", world_size=1)
+    lookups.submit(hashes(4, 1), 0)
+    assert client.entered.wait(30)
+    closer = threading.Thread(target=lookups.close)
+    closer.start()
+    closer.join(60)  # a hang detector, not a speed bound: close() waits at most 5 s for the thread
+    stuck = closer.is_alive()
+    client.gate.set()  # let the thread go, whatever happened
+    closer.join()
+    assert not stuck
 
 
 class StalledMemory(StandInClient):

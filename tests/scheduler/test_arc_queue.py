@@ -16,7 +16,7 @@ from offload_connector.config import load_config
 from offload_connector.hashing import with_group_id
 from offload_connector.metadata import WorkerReport
 from scheduler_side import BlockPool, BlockPoolGpuView, OffloadScheduler, StepRequest
-from scheduler_side.pool.eviction.arc import EMPTY, HELD, T1, T2
+from scheduler_side.pool.eviction.arc import EMPTY, HELD, T1, T2, ArcBlock, ArcEviction
 
 BS = 4
 
@@ -216,6 +216,15 @@ def test_caching_a_free_block_files_it_as_seen_once():
     assert pool.cache(block, b"k")
     assert block.seg == T1 and block in list(pool.free_queue.t1)
     pool.check_integrity()
+
+
+def test_the_arc_queue_refuses_to_remove_a_held_block() -> None:
+    """Found by mutation testing of scheduler_side/pool/eviction/arc.py (docs/mutation.md)."""
+    blocks = [ArcBlock(i) for i in range(1, 4)]
+    queue = ArcEviction(blocks)
+    queue.remove(blocks[0])
+    with pytest.raises(RuntimeError, match="not in the free queue"):
+        queue.remove(blocks[0])
 
 
 def test_unknown_eviction_is_refused() -> None:

@@ -7,8 +7,10 @@ test_lazy_policy_exact.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from helpers import FakeRequest, lazy_under_pressure
-from lazy_view import BS, ScriptedView, picks_per_step, state_of, unsaved
+from lazy_view import BS, ScriptedView, dead_key_view, hashed_keys, picks_per_step, state_of, unsaved
 
 from offload_connector.hashing import with_group_id
 from scheduler_side.policies.lazy import LazyStorePolicy
@@ -130,6 +132,14 @@ def test_a_key_is_picked_once_even_if_two_free_blocks_hold_it():
     assert policy.pick_stores().gpu_ids == [1, 3]
 
 
+def test_the_frontier_scan_skips_dead_keys() -> None:
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    k = hashed_keys(3)
+    policy = lazy_under_pressure(dead_key_view([(1, k[0]), (2, k[1]), (3, k[2])], dead={k[1]}))
+    picks = policy.pick_stores()
+    assert picks.keys == [k[0], k[2]] and picks.gpu_ids == [1, 3]
+
+
 def test_held_blocks_take_their_cpu_room_first():
     """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
     view = ScriptedView(lazy_lookahead_blocks=8, gpu_free=0, cpu_free=3)
@@ -200,3 +210,30 @@ def test_held_blocks_are_stored_under_the_group_keys():
     assert policy.on_request_finished(state) == [10, 11]
     picks = policy.pick_stores()
     assert picks.keys == keys_of(state, group=5) and picks.gpu_ids == [10, 11]
+
+
+def request_state(block_keys_hashes: list[bytes], gpu_ids: list[int]):
+    request = SimpleNamespace(request_id="r", block_hashes=block_keys_hashes, num_tokens=len(gpu_ids) * BS)
+    return SimpleNamespace(request=request, gpu_block_ids=gpu_ids, num_computed_tokens=len(gpu_ids) * BS,
+                           request_id="r")
+
+
+
+def test_a_finishing_request_holds_no_dead_block() -> None:
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    raw = [bytes([i]) * 16 for i in range(3)]
+    dead = {with_group_id(raw[1])}
+    policy = lazy_under_pressure(dead_key_view([], dead=dead))  # no free GPU block: under the lookahead, holds
+    held = policy.on_request_finished(request_state(raw, [5, 6, 7]))
+    assert held == [5, 7]
+
+
+def test_a_held_block_that_died_meanwhile_is_released_not_stored() -> None:
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    raw = [bytes([i]) * 16 for i in range(2)]
+    view = dead_key_view([], dead=set())
+    policy = lazy_under_pressure(view)
+    assert policy.on_request_finished(request_state(raw, [5, 6])) == [5, 6]
+    view.dead.add(with_group_id(raw[0]))  # e.g. its session closed before the next metadata
+    picks = policy.pick_stores()
+    assert picks.gpu_ids == [6] and sorted(picks.release_gpu_ids) == [5, 6]

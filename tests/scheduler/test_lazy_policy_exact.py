@@ -6,8 +6,20 @@ tests/lazy_view.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from helpers import FakeRequest, lazy_under_pressure, make_scheduler, put_under_pressure, store_and_finish
-from lazy_view import BS, ScriptedView, empty, key, picks_per_step, state_of, unsaved
+from lazy_view import (
+    BS,
+    ScriptedView,
+    dead_key_view,
+    empty,
+    hashed_keys,
+    key,
+    picks_per_step,
+    state_of,
+    unsaved,
+)
 
 from offload_connector.hashing import with_group_id
 from scheduler_side.policies.lazy import MAX_DEFERRALS, LazyStorePolicy
@@ -98,6 +110,20 @@ def test_a_request_with_nothing_left_to_allocate_is_never_deferred():
     view = ScriptedView(lazy_lookahead_blocks=1, frontier=unsaved(1, 8))
     state = RequestState(FakeRequest("r", list(range(2 * BS)), BS), num_gpu_hit_blocks=2)
     assert lazy_under_pressure(view).may_admit(state, 0)
+
+
+def test_dead_blocks_an_admission_would_evict_do_not_defer_it() -> None:
+    """Deferring a request one step is worth it only to save blocks worth keeping: unsaved but dead
+    frontier blocks are not a reason.
+
+    Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    k = hashed_keys(2)
+    policy = lazy_under_pressure(dead_key_view([(1, k[0]), (2, k[1])], dead=set(k)))
+    state = SimpleNamespace(num_deferrals=0, num_gpu_hit_blocks=0, request_id="R",
+                            request=SimpleNamespace(num_tokens=2 * BS))
+    assert policy.may_admit(state, 0) is True
+    live = lazy_under_pressure(dead_key_view([(1, k[0]), (2, k[1])], dead=set()))
+    assert live.may_admit(state, 0) is False  # the same frontier, alive: defer once and save it
 
 
 # ---- the window an admission draws from ----------------------------------------------------------------------
