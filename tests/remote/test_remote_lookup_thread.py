@@ -1,6 +1,7 @@
 """The remote tier's lookup thread (scheduler_side/tiers/remote/lookups.py) against a stand-in client: batching,
 rounds (a question answered in full takes one), cancellation, error and block accounting, the thread's
-CPU-time figure, a close that never hangs on a stalled server, and the gauges' memory poll apart from it. The real client and server: test_remote_client.py.
+CPU-time figure, a close that never hangs on a stalled server, and the gauges' memory poll apart from it.
+The real client and server: test_remote_client.py.
 
 The stand-in can hold the thread inside a call (`gate`), so that questions submitted meanwhile are asked
 together in the next round, which makes every batch deterministic."""

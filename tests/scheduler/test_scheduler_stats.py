@@ -3,8 +3,18 @@ follows the field order."""
 
 from __future__ import annotations
 
-from helpers import FakeRequest, admit, finish, make_scheduler, report, step_done, store_and_finish
+from helpers import (
+    FakeRequest,
+    admit,
+    finish,
+    make_scheduler,
+    put_under_pressure,
+    report,
+    step_done,
+    store_and_finish,
+)
 
+from offload_connector.hashing import with_group_id
 from scheduler_side.stats import FIELDS, SchedulerStats
 
 BS = 4
@@ -73,6 +83,23 @@ def test_lookup_counters_add_up():
         assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
         sched.request_finished(req)
     assert sched.stats.num_lookups == 3 and sched.stats.num_store_wait_timeouts == 2
+
+
+def test_lazy_deferred_lookups_add_up():
+    """Found by mutation testing of scheduler_side/lookups.py (docs/mutation.md)."""
+    sched, gpu = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=20, block_size=BS,
+                                store_policy="lazy", lazy_lookahead_blocks=1)
+    put_under_pressure(sched)  # lazy's frontier mode
+    a = FakeRequest("A", list(range(8)), BS)
+    _, _, a_ids = admit(sched, gpu, a)
+    sched.build_connector_meta([step_done("A", a_ids, 8)])
+    for gpu_id, h in zip(a_ids, a.block_hashes, strict=True):
+        gpu.cache(gpu.blocks[gpu_id], with_group_id(h))
+    finish(sched, gpu, a, a_ids)  # A's two cached blocks are the tail of the GPU free queue
+    gpu.touch([gpu.blocks[i] for i in range(3, 11)])  # the frontier is now 11, then A's two
+    for name in ("B", "C"):  # each would allocate all three: deferred, once each
+        assert sched.get_num_new_matched_tokens(FakeRequest(name, list(range(100, 111)), BS), 0) == (None, False)
+    assert sched.stats.num_deferred_lookups == 2
 
 
 def test_admission_counters_add_up():
