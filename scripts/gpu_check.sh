@@ -203,7 +203,7 @@ fi
 
 # ---- 6. the CUDA tests that need no GPU ----------------------------------------------------------------------
 run_step pytest_unit 90 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu" tests/cuda_path/test_cuda_kernel_source.py \
-    tests/cuda_path/test_cuda_runtime_fakes.py tests/cuda_path/test_cuda_bindings_stub.py tests/cuda_path/test_cuda_defects.py \
+    tests/cuda_path/test_cuda_runtime_fakes.py tests/cuda_path/test_cuda_bindings_stub.py tests/cuda_path/test_cuda_backend_rules.py \
     tests/cuda_path/test_cuda_calibration.py \
     > "$OUT/pytest_unit.log" 2>&1
 tail -n 5 "$OUT/pytest_unit.log"

@@ -29,6 +29,17 @@ class FakeRequest:
         return len(self.tokens)
 
 
+def generate(req: FakeRequest, output: list[int]) -> None:
+    """The engine appended `output` to the request: its block hashes grow (vLLM's request does the same)."""
+    req.tokens = req.tokens + output
+    req.block_hashes = list(hash_request_tokens(req.tokens, req.block_size, req.cache_salt))
+
+
+def free_ids(pool: BlockPool) -> list[int]:
+    """The pool's free queue, eviction end first: its block ids."""
+    return [b.block_id for b in pool.free_queue]
+
+
 def make_scheduler(num_gpu_blocks: int = 100, num_cpu_blocks: int = 50, block_size: int = 4,
                    world_size: int = 1, **overrides) -> tuple[OffloadScheduler, BlockPool]:
     """A scheduler over a fake GPU pool; `store_policy` eager unless overridden (the stories here are told

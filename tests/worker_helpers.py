@@ -1,4 +1,5 @@
-"""Small `OffloadWorker` stories' building blocks: a CPU worker over a random KV cache, one-job metadata, polling."""
+"""Small `OffloadWorker` stories' building blocks: a CPU worker (bare, or over a random KV cache), random
+bytes, one-job metadata, polling."""
 
 from __future__ import annotations
 
@@ -11,6 +12,17 @@ from offload_connector.metadata import TransferMetadata
 from worker_side import OffloadWorker
 
 NUM_GPU_BLOCKS = 64
+
+
+def cpu_worker(num_cpu_blocks: int = 16, backend=None) -> OffloadWorker:
+    """A CPU-backend worker with nothing registered yet."""
+    return OffloadWorker(load_config({"num_cpu_blocks": num_cpu_blocks, "transfer": {"backend": "cpu"}}),
+                         backend=backend)
+
+
+def random_bytes(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
 
 
 def make_worker(num_cpu_blocks: int = 32, backend=None) -> tuple[OffloadWorker, dict[str, torch.Tensor]]:

@@ -1,9 +1,10 @@
-"""Block pool: LRU order, touch from the middle, eviction drops the hash, ref counts, null block."""
+"""Block pool: LRU order, touch from the middle, eviction drops the hash, ref counts, null block, reservations
+(reserve, commit, abort), discard and demote, the free queue's refusals, and the integrity check."""
 
 import pytest
 
 from scheduler_side import BlockPool, PoolError
-from scheduler_side.pool.free_queue import Block
+from scheduler_side.pool.free_queue import Block, FreeBlockQueue
 
 
 def ids(blocks):
@@ -150,6 +151,111 @@ def test_integrity_detects_a_broken_reservation():
     a.block_hash = b"other"
     with pytest.raises(PoolError, match="reservation"):
         pool.check_integrity()
+
+
+def test_discard_leaves_a_held_block_and_its_content_alone():
+    """Found by mutation testing of scheduler_side/pool/block_pool.py (docs/mutation.md)."""
+    pool = BlockPool(4)
+    (held,) = pool.allocate(1)
+    assert pool.cache(held, b"k")
+    assert pool.discard(held) is False
+    assert pool.lookup(b"k") is held and held.ref_cnt == 1
+    pool.free([held])
+    assert pool.discard(held) is True
+    assert pool.lookup(b"k") is None and next(iter(pool.free_queue)) is held  # first to be reused
+    pool.check_integrity()
+
+
+def test_recaching_a_block_under_another_key_forgets_the_old_one_and_only_that():
+    """Found by mutation testing of scheduler_side/pool/block_pool.py (docs/mutation.md)."""
+    evicted = []
+    pool = BlockPool(4, on_evict=lambda key, by_allocation: evicted.append(key))
+    (block,) = pool.allocate(1)
+    assert pool.cache(block, b"k1") and pool.cache(block, b"k1")  # the same key again: nothing dropped
+    assert evicted == [] and pool.lookup(b"k1") is block
+    assert pool.cache(block, b"k2")
+    assert evicted == [b"k1"] and pool.lookup(b"k1") is None and pool.lookup(b"k2") is block
+    pool.free([block])
+    pool.check_integrity()
+
+
+def test_commit_or_abort_of_a_block_without_a_reservation_is_refused():
+    """Found by mutation testing of scheduler_side/pool/block_pool.py (docs/mutation.md)."""
+    pool = BlockPool(4)
+    (block,) = pool.allocate(1)
+    pool.cache(block, b"k")  # cached, not reserved
+    for op in (pool.commit, pool.abort):
+        with pytest.raises(PoolError, match="holds no reservation"):
+            op([block])
+    assert pool.lookup(b"k") is block
+
+
+
+def test_reserve_of_more_blocks_than_keys_is_refused_and_reserves_nothing() -> None:
+    """Found by mutation testing of scheduler_side/pool/block_pool.py (docs/mutation.md)."""
+    pool = BlockPool(6)
+    a, b = pool.allocate(2)
+    with pytest.raises(ValueError):
+        pool.reserve([a, b], [b"ka"])
+    assert pool.reserved == {} and a.block_hash is None and b.block_hash is None
+    pool.check_integrity()
+
+
+
+def test_pool_integrity_sees_the_null_block_in_the_free_queue_and_bad_reservations():
+    """Found by mutation testing of scheduler_side/pool/block_pool.py (docs/mutation.md)."""
+    for count in (0, 2):  # the null block's count changed by a bug (it never enters the free queue)
+        pool = BlockPool(4)
+        pool.null_block.ref_cnt = count
+        with pytest.raises(PoolError, match="null block"):
+            pool.check_integrity()
+    for breakage in ("freed", "also cached"):
+        pool = BlockPool(4)
+        (a,) = pool.allocate(1)
+        pool.reserve([a], [b"k"])
+        if breakage == "freed":
+            a.ref_cnt = 0  # a reservation whose block nobody holds
+            pool.free_queue.append(a)
+        else:
+            pool.cached[b"k"] = a  # a reservation that is hit-able already
+        with pytest.raises(PoolError, match="reservation"):
+            pool.check_integrity()
+
+
+
+def test_demote_moves_only_a_free_block_and_says_so() -> None:
+    """`demote` returns False and moves nothing for a held block; True for a free one, now evicted first.
+
+    Found by mutation testing of scheduler_side/pool/block_pool.py (docs/mutation.md)."""
+    pool = BlockPool(4)
+    held, free = pool.allocate(2)
+    assert pool.cache(held, b"h") and pool.cache(free, b"f")
+    pool.free([free])
+    order = list(pool.free_queue)
+    assert pool.demote(held) is False
+    assert list(pool.free_queue) == order and held.ref_cnt == 1
+    assert pool.demote(free) is True
+    assert next(iter(pool.free_queue)) is free and pool.lookup(b"f") is free
+    pool.check_integrity()
+
+
+
+def test_popping_an_empty_free_queue_is_refused():
+    """Found by mutation testing of scheduler_side/pool/free_queue.py (docs/mutation.md)."""
+    with pytest.raises(RuntimeError, match="empty queue"):
+        FreeBlockQueue([]).popleft()
+
+
+
+def test_appending_a_block_already_queued_is_refused_and_leaves_the_queue_walkable() -> None:
+    """Found by mutation testing of scheduler_side/pool/free_queue.py (docs/mutation.md)."""
+    blocks = [Block(i) for i in range(4)]
+    queue = FreeBlockQueue(blocks[:2])
+    with pytest.raises(RuntimeError, match="already in the free queue"):
+        queue.append_n([blocks[2], blocks[0]])  # blocks[0] is queued already
+    walked = list(queue)
+    assert walked[:2] == blocks[:2] and blocks[2] in walked and len(walked) == len(queue)
+    assert queue.popleft() is blocks[0]
 
 
 # --- empty_first (the CPU tier's LRU): no cached block is evicted while an empty block is free -----------

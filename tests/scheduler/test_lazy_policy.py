@@ -1,10 +1,23 @@
-"""Lazy stores: only hashed GPU blocks near the eviction frontier are saved, saved GPU blocks keep
-their LRU position, and a CPU copy of a block resident on the GPU gives way."""
+"""Lazy stores, in the scheduler: only hashed GPU blocks near the eviction frontier are saved, saved GPU blocks
+keep their LRU position, a CPU copy of a block resident on the GPU gives way under pressure (and is kept as
+the most recently used without), a finishing request's blocks are held for the next store (never those of
+a request that never ran), and the lookahead follows the engine's step bound and what admissions take."""
 
 import pytest
-from helpers import FakeRequest, admit, make_scheduler, put_under_pressure, report, step_done
+from helpers import (
+    FakeRequest,
+    admit,
+    finish,
+    free_ids,
+    make_scheduler,
+    put_under_pressure,
+    report,
+    step_done,
+)
 
+from offload_connector.config import load_config
 from offload_connector.hashing import with_group_id
+from scheduler_side import BlockPool, BlockPoolGpuView, OffloadScheduler
 
 BS = 4
 
@@ -83,6 +96,33 @@ def test_lazy_loaded_cpu_copy_gives_way_under_pressure(pressure):
     sched.check_integrity()
 
 
+def test_lazy_keeps_a_loaded_blocks_cpu_copy_as_most_recently_used_without_pressure():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    # Until the tier fills, lazy keeps a loaded block's CPU copy: the GPU will drop that block relying on it,
+    # so it is content just reused (the most recently used), not the first to go once the tier is full.
+    sched, gpu = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=20, block_size=BS,
+                                store_policy="lazy", lazy_lookahead_blocks=20)
+    for rid, first in (("A", 0), ("C", 100)):  # A's 2 full blocks on the CPU, then C's (more recent)
+        req = FakeRequest(rid, list(range(first, first + 9)), BS)
+        _, _, ids = admit(sched, gpu, req)
+        meta = sched.build_connector_meta([step_done(rid, ids, 9)])  # no pressure: stored as computed
+        sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+        finish(sched, gpu, req, ids)
+    for blk in list(gpu.free_queue):
+        gpu.uncache(blk)  # the GPU copies are evicted
+    b = FakeRequest("B", list(range(9)), BS)
+    hit, _, b_ids = admit(sched, gpu, b)
+    assert hit == 8
+    load = sched.build_connector_meta([])
+    sched.update_connector_output(report(finished_load_reqs=["B"]))
+    pool = sched.cpu_pool
+    assert pool.num_evictions == 0 and len(pool.cached) == 4  # no pressure: kept
+    order = [(blk.block_id, blk.block_hash is not None) for blk in pool.free_queue]
+    assert order[:15] == [(i, False) for i, _ in order[:15]]  # the 15 empty blocks come first
+    assert [i for i, _ in order[-2:]] == load.load_cpu_blocks  # then C's copies, then A's: most recent
+    finish(sched, gpu, b, b_ids)
+
+
 def test_a_load_whose_request_finished_meanwhile_keeps_its_cpu_copies():
     """The engine never caches the GPU blocks of a request that finished (was aborted) while loading, so
     under pressure too the CPU copies stay: they are all that is left of that content."""
@@ -114,6 +154,7 @@ def test_lazy_gpu_hit_discards_the_cpu_copy_under_pressure(pressure):
 
 
 def test_lazy_holds_a_finished_requests_blocks_when_the_pool_is_nearly_full():
+    """Step 3 found by mutation testing of scheduler_side/completions.py (docs/mutation.md)."""
     sched, gpu = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=8)
     put_under_pressure(sched)
@@ -121,7 +162,7 @@ def test_lazy_holds_a_finished_requests_blocks_when_the_pool_is_nearly_full():
     _, _, ids = admit(sched, gpu, a)
     assert sched.build_connector_meta([step_done("A", ids, 9)]).store_event is None
     # 1. A finishes with 0 free GPU blocks (< lookahead): its 2 full blocks are held, not freed.
-    sched.request_finished(a)
+    assert sched.request_finished(a) == (False, None)
     gpu.free([gpu.blocks[i] for i in reversed(ids)])
     assert sched.num_inflight_transfers == 2 and not sched.is_idle()
     assert [gpu.blocks[i].ref_cnt for i in ids] == [1, 1, 0]
@@ -131,6 +172,7 @@ def test_lazy_holds_a_finished_requests_blocks_when_the_pool_is_nearly_full():
     assert meta.store_gpu_blocks == ids[:2]
     sched.update_connector_output(report(completed_store_events=[meta.store_event]))
     assert sched.is_idle() and gpu.num_held_blocks() == 0
+    assert free_ids(gpu) == ids[:2] + [ids[2]]  # 3. once saved, the held blocks are the first to be evicted
     assert sched.get_num_new_matched_tokens(FakeRequest("B", list(range(9)), BS), 0) == (8, True)
 
 
@@ -156,6 +198,41 @@ def test_a_held_block_saved_meanwhile_is_released_not_stored_again():
     sched.update_connector_output(report(completed_store_events=[meta.store_event]))
     assert sched.is_idle() and gpu.num_held_blocks() == 0
     sched.check_integrity()
+
+
+def lazy_with_unsaved_frontier(num_unsaved: int, **scheduler_kwargs):
+    """A lazy scheduler (adaptive lookahead) whose GPU free queue is exactly `num_unsaved` blocks holding
+    the engine's cached KV of an earlier prompt, none of it saved; 40 more GPU blocks are set aside. Under
+    pressure (lazy's frontier mode)."""
+    gpu = BlockPool(1 + 40 + num_unsaved)
+    sched = OffloadScheduler(load_config({"num_cpu_blocks": 200, "store_policy": "lazy"}), BS, 200,
+                             BlockPoolGpuView(gpu), **scheduler_kwargs)
+    put_under_pressure(sched)  # lazy's frontier mode
+    reserved = gpu.allocate(40)
+    earlier = FakeRequest("U", list(range(num_unsaved * BS)), BS)
+    blocks = gpu.allocate(num_unsaved)
+    for block, h in zip(blocks, earlier.block_hashes, strict=True):
+        gpu.cache(block, with_group_id(h))
+    gpu.free(blocks)
+    return sched, gpu, reserved
+
+
+def test_lazy_lookahead_is_at_least_the_engines_step_bound():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    sched, gpu, _ = lazy_with_unsaved_frontier(60, max_blocks_per_step=24)
+    assert len(sched.build_connector_meta([]).store_gpu_blocks) == 24  # not the floor of 16
+
+
+def test_lazy_lookahead_counts_only_the_blocks_an_admission_takes_from_the_free_queue():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    sched, gpu, reserved = lazy_with_unsaved_frontier(60)
+    r = FakeRequest("R", list(range(1000, 1000 + 24 * BS)), BS)  # 24 blocks, the first 20 a GPU hit
+    ids = [b.block_id for b in reserved[:24]]
+    while sched.get_num_new_matched_tokens(r, 20 * BS)[0] is None:
+        pass  # deferred once (its 4 new blocks would evict unsaved ones), then admitted
+    sched.update_state_after_alloc(r, ids, 0)
+    picked = len(sched.build_connector_meta([step_done("R", ids, 20 * BS)]).store_gpu_blocks)
+    assert picked == 16 + 4  # the floor (2 x 4 new blocks is less) plus the deferred admission's need
 
 
 def test_lazy_defers_an_admission_that_would_evict_unsaved_blocks_once():
@@ -246,3 +323,15 @@ def test_a_preempted_request_finished_before_readmission_holds_nothing():
     assert not set(meta.store_gpu_blocks) & set(a_ids)
     gpu.free(b_blocks)
     assert sched.is_idle()
+
+
+def test_lazy_holds_nothing_of_a_request_finished_before_its_first_step():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    gpu = BlockPool(4)
+    sched = OffloadScheduler(load_config({"num_cpu_blocks": 8, "store_policy": "lazy", "lazy_lookahead_blocks": 8}),
+                             1, 8, BlockPoolGpuView(gpu))  # one token per block
+    put_under_pressure(sched)  # lazy's frontier mode: without it nothing is ever held
+    a = FakeRequest("A", list(range(3)), 1)
+    _, _, ids = admit(sched, gpu, a)  # the GPU pool is full now: the lazy policy would hold finished blocks
+    finish(sched, gpu, a, ids)  # ... but A never ran: none of its blocks holds KV
+    assert sched.policy.num_held_blocks == 0 and sched.is_idle()

@@ -1,22 +1,29 @@
 """The lazy policy saves exactly what the next allocations take (issue 17): an admission's window skips its
 own free GPU hits, the lookahead leaves out what deferrals and prompt chunks already cover, a request still
 allocating its prompt has the rest saved ahead, and a deferral lets a request through blind only the very
-next step. Through the scripted `StorePolicyView` of test_mutation_kills_scheduler_lazy."""
+next step; and when an admission is deferred at all. Through the scripted `StorePolicyView` of
+tests/lazy_view.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from helpers import FakeRequest, lazy_under_pressure, make_scheduler, put_under_pressure, store_and_finish
-from test_mutation_kills_scheduler_lazy import BS, ScriptedView, empty, key, unsaved
+from lazy_view import (
+    BS,
+    ScriptedView,
+    dead_key_view,
+    empty,
+    hashed_keys,
+    key,
+    picks_per_step,
+    state_of,
+    unsaved,
+)
 
 from offload_connector.hashing import with_group_id
 from scheduler_side.policies.lazy import MAX_DEFERRALS, LazyStorePolicy
 from scheduler_side.request_state import PendingHit, RequestState
-
-
-def state_of(num_blocks: int, gpu_hit_blocks: int = 0, request_id: str = "r") -> RequestState:
-    state = RequestState(FakeRequest(request_id, list(range(num_blocks * BS)), BS))
-    state.num_gpu_hit_blocks = gpu_hit_blocks
-    return state
 
 
 def step(policy: LazyStorePolicy) -> list[int]:
@@ -33,6 +40,90 @@ def admitted(policy: LazyStorePolicy, num_blocks: int, new_blocks: int, request_
     policy.on_allocated(state, 0)
     policy.on_blocks_allocated(new_blocks)
     return state
+
+
+# ---- when an admission is deferred -------------------------------------------------------------------------
+def test_an_admission_looks_exactly_as_far_as_the_blocks_it_allocates():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    # 4 blocks, 1 a GPU hit and 1 a CPU hit: it allocates 3 (the CPU hit's block too), all of them harmless
+    view = ScriptedView(frontier=empty(1, 3) + unsaved(10, 1))
+    assert lazy_under_pressure(view).may_admit(state_of(4, gpu_hit_blocks=1), 1)
+    # one block more and its allocation would evict the unsaved block: deferred
+    view.frontier = empty(1, 2) + unsaved(10, 1)
+    assert not lazy_under_pressure(view).may_admit(state_of(4, gpu_hit_blocks=1), 1)
+
+
+def test_an_admission_looks_no_further_than_the_engines_step_bound():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    view = ScriptedView(max_blocks_per_step=2, frontier=empty(1, 2) + unsaved(10, 5))
+    assert lazy_under_pressure(view).may_admit(state_of(10), 0)  # only 2 blocks this step, both harmless
+    view.max_blocks_per_step = 3
+    assert not lazy_under_pressure(view).may_admit(state_of(10), 0)
+
+
+def test_a_one_block_admission_that_would_evict_an_unsaved_block_is_deferred():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    view = ScriptedView(frontier=unsaved(1, 1))
+    assert not lazy_under_pressure(view).may_admit(state_of(1), 0)
+
+
+def test_saved_blocks_do_not_defer_an_admission():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    view = ScriptedView(frontier=unsaved(1, 3))
+    view.saved = {k for _, k in view.frontier}
+    assert lazy_under_pressure(view).may_admit(state_of(3), 0)
+
+
+def test_an_admission_is_deferred_only_while_the_cpu_tier_can_take_what_it_would_evict():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    view = ScriptedView(frontier=unsaved(1, 2), cpu_free=2)
+    assert not lazy_under_pressure(view).may_admit(state_of(2), 0)  # exactly enough room
+    view.cpu_free = 1
+    assert lazy_under_pressure(view).may_admit(state_of(2), 0)  # deferring would be in vain
+
+
+def test_the_next_store_covers_every_admission_deferred_this_step():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    view = ScriptedView(lazy_lookahead_blocks=1, frontier=unsaved(1, 50))
+    policy = lazy_under_pressure(view)
+    assert not policy.may_admit(state_of(2, request_id="a"), 0)
+    assert not policy.may_admit(state_of(3, request_id="b"), 0)
+    assert len(policy.pick_stores().gpu_ids) == 1 + 2 + 3  # the lookahead plus both needs
+    policy.on_stores_emitted(None, [])
+    assert len(policy.pick_stores().gpu_ids) == 1  # needs are for one step only
+
+
+def test_a_deferred_admission_needs_whole_blocks():
+    """A 9-token prompt takes 3 blocks (the last one partly filled): the store after its deferral covers 3
+    blocks of need, also while picks weigh less than a block each.
+
+    Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    view = ScriptedView(lazy_lookahead_blocks=1, frontier=unsaved(1, 200))
+    policy = lazy_under_pressure(view)
+    assert [picks_per_step(policy, view, event_id) for event_id in range(2)] == [1, 2]  # events outlast steps
+    assert not policy.may_admit(RequestState(FakeRequest("r", list(range(9)), BS)), 0)
+    assert len(policy.pick_stores().gpu_ids) == 7  # (1 + 3) blocks of budget at 0.512 of a block per pick
+
+
+def test_a_request_with_nothing_left_to_allocate_is_never_deferred():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    view = ScriptedView(lazy_lookahead_blocks=1, frontier=unsaved(1, 8))
+    state = RequestState(FakeRequest("r", list(range(2 * BS)), BS), num_gpu_hit_blocks=2)
+    assert lazy_under_pressure(view).may_admit(state, 0)
+
+
+def test_dead_blocks_an_admission_would_evict_do_not_defer_it() -> None:
+    """Deferring a request one step is worth it only to save blocks worth keeping: unsaved but dead
+    frontier blocks are not a reason.
+
+    Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    k = hashed_keys(2)
+    policy = lazy_under_pressure(dead_key_view([(1, k[0]), (2, k[1])], dead=set(k)))
+    state = SimpleNamespace(num_deferrals=0, num_gpu_hit_blocks=0, request_id="R",
+                            request=SimpleNamespace(num_tokens=2 * BS))
+    assert policy.may_admit(state, 0) is True
+    live = lazy_under_pressure(dead_key_view([(1, k[0]), (2, k[1])], dead=set()))
+    assert live.may_admit(state, 0) is False  # the same frontier, alive: defer once and save it
 
 
 # ---- the window an admission draws from ----------------------------------------------------------------------

@@ -6,7 +6,17 @@ may be lost (a reference leaked or freed twice). One story per test, on the sche
 """
 
 import pytest
-from helpers import FakeRequest, admit, assert_idle, finish, make_scheduler, report, step_done
+from helpers import (
+    FakeRequest,
+    admit,
+    assert_idle,
+    finish,
+    make_scheduler,
+    put_under_pressure,
+    report,
+    step_done,
+    store_and_finish,
+)
 
 from offload_connector.hashing import with_group_id
 from scheduler_side import SchedulerError
@@ -14,12 +24,42 @@ from scheduler_side import SchedulerError
 BS = 4
 
 
-def store_and_finish(sched, gpu, req):
-    """Admit `req`, store its full blocks, complete the store, finish it: its blocks are on the CPU tier."""
-    _, _, ids = admit(sched, gpu, req)
-    meta = sched.build_connector_meta([step_done(req.request_id, ids, req.num_tokens)])
-    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
-    finish(sched, gpu, req, ids)
+def test_reset_cache_forgets_everything_stored_or_being_stored():
+    """Found by mutation testing of scheduler_side/scheduler.py (docs/mutation.md)."""
+    # max_store_wait_steps 0: C loads the blocks B's pending hit pins instead of waiting for that load
+    sched, gpu = make_scheduler(num_gpu_blocks=40, num_cpu_blocks=20, block_size=BS, max_store_wait_steps=0)
+    prefix = list(range(9))  # 2 full blocks
+    store_and_finish(sched, gpu, FakeRequest("A", prefix, BS))
+    # 1. B holds a pending hit on A's blocks; C's load from them is in flight; D's store is in flight
+    b = FakeRequest("B", prefix, BS)
+    assert sched.get_num_new_matched_tokens(b, 0) == (8, True)
+    c = FakeRequest("C", prefix, BS)
+    sched.get_num_new_matched_tokens(c, 0)  # drops nothing of B's: another request
+    c_ids = [b.block_id for b in gpu.allocate(3)]
+    sched.update_state_after_alloc(c, c_ids, 8)
+    load_meta = sched.build_connector_meta([])
+    d = FakeRequest("D", list(range(100, 109)), BS)
+    _, _, d_ids = admit(sched, gpu, d)
+    store_meta = sched.build_connector_meta([step_done("D", d_ids, 9)])
+    assert load_meta.load_event is not None and store_meta.store_event is not None
+    assert sched.has_live_requests()
+    # 2. reset: B's hit is dropped (it looks up again), nothing is hit-able any more
+    assert sched.reset_cache() is True
+    assert sched.phase_of("B").value == "new"
+    assert not sched.cpu_pool.cached
+    # 3. the transfers finish: the store counts as failed and caches nothing; the load's blocks stay uncached
+    sched.update_connector_output(report(completed_store_events=[store_meta.store_event],
+                                         finished_load_reqs=["C"]))
+    assert sched.stats.num_failed_store_blocks == 2 and sched.stats.num_stored_blocks == 2  # A's only
+    assert not sched.cpu_pool.cached
+    for req in (FakeRequest("A2", prefix, BS), FakeRequest("D2", list(range(100, 109)), BS)):
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        sched.request_finished(req)
+    sched.request_finished(b)
+    finish(sched, gpu, c, c_ids)
+    finish(sched, gpu, d, d_ids)
+    assert not sched.has_live_requests() and sched.is_idle()
+    sched.check_integrity()
 
 
 def test_reset_forgets_every_stored_block_and_publishes_removals():
@@ -96,22 +136,22 @@ def test_pending_hit_is_dropped_and_looked_up_again():
 
 
 def test_lazy_blocks_held_for_a_store_make_the_reset_report_failure():
-    sched, gpu = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=20, block_size=BS, store_policy="lazy")
-    a = FakeRequest("A", list(range(17)), BS)  # 4 full blocks of 5 usable: the lazy policy saves them
-    _, _, a_ids = admit(sched, gpu, a)
-    sched.build_connector_meta([step_done("A", a_ids, 17)])
-    finish(sched, gpu, a, a_ids)
-    held = sched.policy.num_held_blocks
-    if not held:
-        pytest.skip("the lazy policy held nothing for this shape (nothing to check)")
+    """Found by mutation testing of scheduler_side/scheduler.py (docs/mutation.md)."""
+    sched, gpu = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, block_size=BS,
+                                store_policy="lazy", lazy_lookahead_blocks=8)
+    put_under_pressure(sched)  # lazy's frontier mode
+    a = FakeRequest("A", list(range(9)), BS)
+    _, _, ids = admit(sched, gpu, a)
+    sched.build_connector_meta([step_done("A", ids, 9)])
+    finish(sched, gpu, a, ids)  # a nearly full GPU pool: the policy holds A's 2 blocks for the next store
     # 1. blocks held for the next store event (old weights): the reset cannot promise they are never
     #    stored, so it says so (vLLM's own GPU reset fails too: the blocks are in use).
     assert sched.reset_cache() is False
-    # 2. one step later the store is in flight; a second reset discards it and succeeds.
+    # 2. one step later the store takes them; a second reset discards it (failed now) and succeeds.
     meta = sched.build_connector_meta([])
+    assert len(meta.store_gpu_blocks) == 2
     assert sched.reset_cache() is True
-    if meta.store_event is not None:
-        sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
     assert not sched.cpu_pool.cached
     assert_idle(sched, gpu)
 

@@ -3,16 +3,12 @@
 import logging
 
 import pytest
-from helpers import FakeRequest, admit, assert_idle, finish, make_scheduler, report, step_done
+from helpers import FakeRequest, admit, assert_idle, finish, free_ids, make_scheduler, report, step_done
 
 from offload_connector.hashing import with_group_id
 from scheduler_side import SchedulerError
 
 BS = 16
-
-
-def free_ids(pool):
-    return [b.block_id for b in pool.free_queue]
 
 
 def test_seed_004_story():

@@ -11,7 +11,13 @@ from offload_connector.cli.trace import TraceRequest
 from offload_connector.fake_engine import FakeEngine
 from offload_connector.fake_engine.workload import small_config
 from offload_connector.hashing import with_group_id
-from scheduler_side.admission.hints import NO_HINTS, RequestHints, parse_hints, session_params
+from scheduler_side.admission.hints import (
+    MAX_SESSION_CHARS,
+    NO_HINTS,
+    RequestHints,
+    parse_hints,
+    session_params,
+)
 
 
 def run(engine: FakeEngine, request_id: str, prompt: list[int], params: dict | None = None) -> None:
@@ -70,6 +76,24 @@ def test_closing_a_session_demotes_only_its_own_blocks() -> None:
         assert engine.check() == 0
 
 
+def test_closing_sessions_returns_and_counts_the_demoted_copies() -> None:
+    """`close_session` returns how many CPU copies it moved to the eviction end; the stats sum the moved
+    copies and the closes over several sessions.
+
+    Found by mutation testing of scheduler_side/admissions.py (docs/mutation.md)."""
+    with FakeEngine(small_config(num_gpu_blocks=40, num_cpu_blocks=64)) as engine:
+        # 1. session a stores 4 blocks, session b 3
+        run(engine, "a1", list(range(100, 116)), session_params("a"))
+        run(engine, "b1", list(range(300, 312)), session_params("b"))
+        sched = engine.connector
+        # 2. each close moves exactly its own copies
+        assert sched.close_session("a") == 4
+        assert (sched.stats.num_demoted_blocks, sched.stats.num_closed_sessions) == (4, 1)
+        assert sched.close_session("b") == 3
+        assert (sched.stats.num_demoted_blocks, sched.stats.num_closed_sessions) == (7, 2)
+        assert engine.check() == 0
+
+
 def test_the_tree_waits_for_the_first_hint_unless_the_branch_filter_is_on() -> None:
     """No hint and no branch filter: no request is fed to the admission tree (no per-block cost). The first
     request with a hint switches it on for every request after it; the branch filter needs it from the
@@ -115,6 +139,30 @@ def test_parse_hints_valid(params, ok) -> None:
 def test_parse_hints_invalid_names_the_key(params) -> None:
     hints, problem = parse_hints(params)
     assert hints is NO_HINTS and problem and "kv_transfer_params" in problem
+
+
+def test_bad_hints_are_named_in_the_message() -> None:
+    """Found by mutation testing of scheduler_side/admission/hints.py (docs/mutation.md)."""
+    assert "got list" in parse_hints([1])[1]
+    long = "s" * (MAX_SESSION_CHARS + 1)
+    assert repr(long[:40]) in parse_hints({"session": long})[1]
+    assert parse_hints({"close_session": True})[1].startswith("kv_transfer_params 'close_session'")
+
+
+def test_a_session_id_of_the_maximum_length_is_valid() -> None:
+    """Found by mutation testing of scheduler_side/admission/hints.py (docs/mutation.md)."""
+    hints, problem = parse_hints({"session": "s" * MAX_SESSION_CHARS})
+    assert problem is None and hints.session == "s" * MAX_SESSION_CHARS
+
+
+
+def test_session_params_with_store_false_parse_as_store_false() -> None:
+    """The helper's `store=False` reaches the connector as the `store: false` hint.
+
+    Found by mutation testing of scheduler_side/admission/hints.py (docs/mutation.md)."""
+    params = session_params("s", store=False)
+    assert params == {"session": "s", "store": False}
+    assert parse_hints(params) == (RequestHints(store=False, session="s", close_session=False), None)
 
 
 def test_branch_filter_drops_a_superseded_branch_and_a_revived_block_is_stored_again() -> None:

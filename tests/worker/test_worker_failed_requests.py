@@ -9,8 +9,8 @@ import torch
 from offload_connector.config import load_config
 from offload_connector.metadata import TransferMetadata
 from worker_side import CpuBackend, OffloadWorker
-from worker_side.testing.faults import FaultyBackend
 from worker_side.job_record import JobRecord, failed_requests
+from worker_side.testing.faults import FaultyBackend
 
 
 def record(counts: tuple[int, ...], dst: list[int]) -> JobRecord:

@@ -1,9 +1,11 @@
-"""Bit-exact store/load round trips for every supported KV layout and dtype, and refusal of the rest."""
+"""Bit-exact store/load round trips for every supported KV layout and dtype, refusal of the rest, and what
+registration takes (cross-layer caches, KV shared between layers, tensors that disagree)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from worker_helpers import cpu_worker, random_bytes
 
 from offload_connector import load_config
 from offload_connector.metadata import TransferMetadata
@@ -109,14 +111,6 @@ def test_kernel_block_split_groups_rows():
     round_trip({"l": t}, [1, 2, 9], num_gpu_blocks=NUM_GPU_BLOCKS)
 
 
-def test_shared_layers_copy_once():
-    t = random_tensor((NUM_GPU_BLOCKS, 4, 8), torch.float32, 1)
-    w = OffloadWorker(load_config({"num_cpu_blocks": 4, "transfer": {"backend": "cpu"}}))
-    w.register_kv_caches({"a": t, "b": t})
-    assert w.bytes_per_block == t[0].numel() * 4
-    w.shutdown()
-
-
 @pytest.mark.parametrize("make, match", [
     (lambda: torch.zeros(NUM_GPU_BLOCKS, 4)[:, ::2], "not dense"),
     (lambda: torch.zeros(100).as_strided((NUM_GPU_BLOCKS, 4), (2, 1)), "overlap"),
@@ -146,3 +140,60 @@ def test_vllm_layout_enum_members_are_accepted_by_name():
     Layout = enum.Enum("KVCacheLayout", {"LBNHC": (0, 1, 3, 2, 4)})
     view = tensor_block_view("l", torch.zeros(NUM_GPU_BLOCKS, 2, 8, 4), NUM_GPU_BLOCKS, Layout.LBNHC)
     assert view.num_blocks == NUM_GPU_BLOCKS and view.runs_are_contiguous
+
+
+# ---- registration -----------------------------------------------------------------------------------------
+def test_cross_layer_cache_takes_the_given_block_count_and_is_block_first():
+    """Found by mutation testing of worker_side/worker.py (docs/mutation.md)."""
+    # 1. kernel-block splitting: 2 rows per block when the engine says there are half as many blocks
+    raw = random_bytes((2 * NUM_GPU_BLOCKS, 3, 8), 1)
+    w = cpu_worker()
+    w.register_cross_layer_kv_cache(raw, NUM_GPU_BLOCKS)
+    assert w.num_gpu_blocks == NUM_GPU_BLOCKS and w.bytes_per_block == 2 * 3 * 8
+    w.start_store(TransferMetadata(store_event=1, store_gpu_blocks=[5], store_cpu_blocks=[2]))
+    w.wait_all()
+    assert w.get_finished().completed_store_events == [1]
+    assert torch.equal(w.host_pool[2], raw[10:12].reshape(-1))
+    w.shutdown()
+    # 2. two blocks whose first dim of 2 would read as K/V-first: cross-layer caches are block-first
+    w = cpu_worker()
+    w.register_cross_layer_kv_cache(random_bytes((2, 2, 4, 8), 2), 2)
+    assert w.num_gpu_blocks == 2 and w.bytes_per_block == 2 * 4 * 8
+    w.shutdown()
+
+
+
+def test_layers_after_a_shared_kv_cache_are_still_registered():
+    """KV sharing: a tensor registered under two names is copied once; the layers after it still count.
+
+    Found by mutation testing of worker_side/worker.py (docs/mutation.md)."""
+    shared, own = torch.zeros(NUM_GPU_BLOCKS, 64, dtype=torch.uint8), torch.zeros(NUM_GPU_BLOCKS, 32, dtype=torch.uint8)
+    w = cpu_worker()
+    w.register_kv_caches({"a": shared, "b": shared, "c": own})
+    assert w.bytes_per_block == 64 + 32
+    own[3] = 7
+    w.start_store(TransferMetadata(store_event=1, store_gpu_blocks=[3], store_cpu_blocks=[2]))
+    w.wait_all()
+    assert w.get_finished().completed_store_events == [1]
+    assert torch.equal(w.host_pool[2], torch.cat([shared[3], own[3]]))
+    w.shutdown()
+
+
+def test_a_layout_error_names_the_tensor_it_refuses():
+    """Found by mutation testing of worker_side/worker.py (docs/mutation.md)."""
+    w = cpu_worker()
+    with pytest.raises(LayoutError, match="'model.layers.7.attn'"):
+        w.register_kv_caches({"model.layers.7.attn": torch.empty(0)})
+    with pytest.raises(LayoutError, match="'cross_layer'"):
+        w.register_cross_layer_kv_cache(torch.empty(0))
+    w.shutdown()
+
+
+def test_tensors_that_disagree_on_block_count_or_device_are_refused():
+    """Found by mutation testing of worker_side/worker.py (docs/mutation.md)."""
+    w = cpu_worker()
+    with pytest.raises(LayoutError, match="disagree on block count"):
+        w.register_kv_caches({"a": torch.zeros(16, 64), "b": torch.zeros(8, 64)})
+    with pytest.raises(LayoutError, match="device"):
+        w.register_kv_caches({"a": torch.zeros(16, 64), "b": torch.zeros(16, 64, device="meta")})
+    w.shutdown()

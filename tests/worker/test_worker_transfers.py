@@ -1,14 +1,28 @@
-"""OffloadWorker stories: interleaved jobs finishing out of order, failures, pool bounds, shutdown."""
+"""OffloadWorker stories: interleaved jobs finishing out of order, failures, block-id bounds, shutdown, and
+what the worker checks and reports (refused metadata, steps, polling before registration, transfer figures)."""
 
 from __future__ import annotations
 
+import time
+import types
+
 import pytest
 import torch
-from worker_helpers import NUM_GPU_BLOCKS, block_bytes, load, make_worker, next_report, store
+from worker_helpers import (
+    NUM_GPU_BLOCKS,
+    block_bytes,
+    cpu_worker,
+    load,
+    make_worker,
+    next_report,
+    random_bytes,
+    store,
+)
 
-from offload_connector import ConfigError, load_config
-from worker_side import CpuBackend, HostPoolError, OffloadWorker, WorkerClosedError, WorkerInvariantError
-from worker_side.host_pool import HostPool, check_pool_size
+from offload_connector.metadata import TransferMetadata, WorkerReport
+from worker_side import CpuBackend, WorkerClosedError, WorkerInvariantError
+from worker_side import worker as worker_module
+from worker_side.backends.base import CopyJob, JobResult
 from worker_side.testing.faults import FaultyBackend
 
 
@@ -100,30 +114,6 @@ def test_pool_is_exact_and_ids_outside_it_are_refused():
     w.shutdown()
 
 
-def test_pool_sized_from_cpu_bytes_and_world_size():
-    w = OffloadWorker(load_config({"cpu_bytes": "1MiB", "transfer": {"backend": "cpu"}}), world_size=2)
-    w.register_kv_caches({"l": torch.zeros(NUM_GPU_BLOCKS, 1024, dtype=torch.float16)})  # 2 KiB blocks
-    assert w.num_cpu_blocks == (1 << 20) // 2 // 2048 and w.host_pool.nbytes == (1 << 19)
-    w.shutdown()
-
-
-def test_pool_errors_before_allocating():
-    with pytest.raises(ConfigError, match="fewer than 2 blocks"):
-        OffloadWorker(load_config({"cpu_bytes": 4096, "transfer": {"backend": "cpu"}})).register_kv_caches(
-            {"l": torch.zeros(4, 1024, dtype=torch.float32)})
-    with pytest.raises(HostPoolError, match="available memory"):
-        check_pool_size(1000, 1 << 20, available=1 << 20)
-    with pytest.raises(HostPoolError, match=">= 2"):
-        check_pool_size(1, 1024, available=None)
-
-    def never(nbytes: int) -> torch.Tensor:
-        raise AssertionError("allocated despite a failed size check")
-
-    from worker_side.block_layout import tensor_block_view
-    with pytest.raises(HostPoolError):
-        HostPool([tensor_block_view("l", torch.zeros(4, 1024))], 1 << 30, never, available=1 << 30)
-
-
 def test_shutdown_with_transfers_in_flight():
     w, _ = make_worker(backend=FaultyBackend(CpuBackend(1), delay_s=0.01))
     for e in range(20):
@@ -149,17 +139,143 @@ def test_empty_events_finish_immediately():
     w.shutdown()
 
 
-def test_auto_backend_is_cpu_without_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present")
-    w = OffloadWorker(load_config({"num_cpu_blocks": 4}))
-    assert w.backend.name == "cpu"
+# ---- the worker's checks and reports ---------------------------------------------------------------------
+def test_refused_metadata_names_the_event_the_side_and_exactly_the_bad_ids():
+    """Found by mutation testing of worker_side/worker.py (docs/mutation.md)."""
+    w = cpu_worker(num_cpu_blocks=8)
+    w.register_kv_caches({"l": random_bytes((NUM_GPU_BLOCKS, 64), 10)})
+    with pytest.raises(WorkerInvariantError, match=r"^store event 9: destination block ids \[0, 8\] outside \[1, 8\)"):
+        w.start_store(TransferMetadata(store_event=9, store_gpu_blocks=[1, 2, 3], store_cpu_blocks=[1, 0, 8]))
+    with pytest.raises(WorkerInvariantError, match=r"^load event 4: source block ids \[9\] outside \[1, 8\)"):
+        w.start_load(TransferMetadata(load_event=4, load_gpu_blocks=[1], load_cpu_blocks=[9], load_event_reqs=["r"]))
+    with pytest.raises(WorkerInvariantError, match=r"^store event 5: source block ids \[64\] outside \[1, 64\)"):
+        w.start_store(TransferMetadata(store_event=5, store_gpu_blocks=[NUM_GPU_BLOCKS], store_cpu_blocks=[1]))
+    assert w.num_in_flight == 0
     w.shutdown()
 
 
-def test_a_pool_too_big_for_the_machine_is_explained_in_gib():
-    """Issue 12 item 7: the message quoted raw byte counts; issue 30: and a 32 KiB block as "0.03 MiB"."""
-    with pytest.raises(HostPoolError, match=r"1,048,576 blocks x 1 MiB = 1 TiB does not fit in available memory \(1 GiB"):
-        check_pool_size(1 << 20, 1 << 20, available=1 << 30)
-    with pytest.raises(HostPoolError, match=r"x 32 KiB = 10 TiB does not fit"):
-        check_pool_size(10 * 2**40 // 2**15, 2**15, available=1 << 30)
+class StepCountingBackend(CpuBackend):
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.steps_begun = 0
+
+    def begin_step(self) -> None:
+        self.steps_begun += 1
+
+
+def test_steps_reach_the_backend_only_between_registration_and_shutdown():
+    """Found by mutation testing of worker_side/worker.py (docs/mutation.md)."""
+    backend = StepCountingBackend()
+    w = cpu_worker(backend=backend)
+    w.begin_step()  # 1. before registration: the backend has nothing bound yet
+    assert backend.steps_begun == 0
+    w.register_kv_caches({"l": random_bytes((NUM_GPU_BLOCKS, 64), 3)})
+    w.begin_step()  # 2. registered: every step is fenced
+    assert backend.steps_begun == 1
+    w.shutdown()
+    w.begin_step()  # 3. after shutdown: nothing more
+    assert backend.steps_begun == 1
+
+
+def test_a_worker_polled_before_registration_reports_nothing():
+    """Found by mutation testing of worker_side/worker.py (docs/mutation.md)."""
+    w = cpu_worker()
+    w.begin_step()
+    assert w.get_finished().is_empty and w.get_finished(wait_for_loads=True).is_empty
+    w.shutdown()
+
+
+
+def test_an_unregistered_worker_has_no_gpu_blocks_and_reports_as_rank_0():
+    """Found by mutation testing of worker_side/worker.py (docs/mutation.md)."""
+    w = cpu_worker()
+    assert w.num_gpu_blocks == 0
+    assert w.get_finished() == WorkerReport(rank=0)
+    w.shutdown()
+
+
+
+class UnknownJobBackend(CpuBackend):
+    def poll(self) -> list[JobResult]:
+        return [JobResult(999)]
+
+
+def test_a_backend_reporting_a_job_never_submitted_is_our_bug():
+    """Found by mutation testing of worker_side/worker.py (docs/mutation.md)."""
+    w = cpu_worker(backend=UnknownJobBackend(1))
+    w.register_kv_caches({"l": random_bytes((NUM_GPU_BLOCKS, 64), 11)})
+    with pytest.raises(WorkerInvariantError, match="job 999, which is not in flight"):
+        w.get_finished()
+    w.shutdown()
+
+
+def test_waiting_for_this_steps_loads_never_waits_for_a_store():
+    """Found by mutation testing of worker_side/worker.py (docs/mutation.md)."""
+    # a held store would block forever: waiting for loads must not include it
+    faulty = FaultyBackend(CpuBackend(1), hold=lambda job: job.kind == "store")
+    w = cpu_worker(backend=faulty)
+    w.register_kv_caches({"l": random_bytes((NUM_GPU_BLOCKS, 64), 12)})
+    w.start_store(TransferMetadata(store_event=1, store_gpu_blocks=[1], store_cpu_blocks=[1]))
+    w.start_load(TransferMetadata(load_event=2, load_gpu_blocks=[5], load_cpu_blocks=[3], load_event_reqs=["r"]))
+    report = w.get_finished(wait_for_loads=True)
+    assert report.finished_load_reqs == ["r"] and report.completed_store_events == []
+    faulty.release_all()
+    w.wait_all()
+    assert w.get_finished().completed_store_events == [1]
+    w.shutdown()
+
+
+class TenSecondJobsBackend(CpuBackend):
+    """Copies for real, and reports every job as finished exactly 10 s after it was submitted."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.submitted_at: dict[int, float] = {}
+
+    def submit(self, job: CopyJob) -> None:
+        self.submitted_at[job.job_id] = time.perf_counter()
+        super().submit(job)
+
+    def poll(self) -> list[JobResult]:
+        return [JobResult(r.job_id, r.failed_dst_ids, r.error, self.submitted_at[r.job_id] + 10.0)
+                for r in super().poll()]
+
+
+def test_a_report_sums_the_bytes_and_seconds_of_every_job_it_covers():
+    """Found by mutation testing of worker_side/worker.py (docs/mutation.md)."""
+    w = cpu_worker(backend=TenSecondJobsBackend())
+    w.register_kv_caches({"l": random_bytes((NUM_GPU_BLOCKS, 64), 13)})
+    start = time.perf_counter()
+    w.start_store(TransferMetadata(store_event=1, store_gpu_blocks=[1, 2], store_cpu_blocks=[1, 2]))
+    w.start_store(TransferMetadata(store_event=2, store_gpu_blocks=[3], store_cpu_blocks=[3]))
+    w.wait_all()
+    report = w.get_finished()
+    slack = time.perf_counter() - start  # submission happened within this window
+    assert sorted(report.completed_store_events) == [1, 2] and report.bytes_stored == 3 * 64
+    assert 20.0 <= report.store_seconds <= 20.0 + 2 * slack
+    start = time.perf_counter()
+    w.start_load(TransferMetadata(load_event=3, load_gpu_blocks=[5, 6], load_cpu_blocks=[1, 2], load_event_reqs=["a"]))
+    w.start_load(TransferMetadata(load_event=4, load_gpu_blocks=[7], load_cpu_blocks=[3], load_event_reqs=["b"]))
+    w.wait_all()
+    report = w.get_finished()
+    slack = time.perf_counter() - start
+    assert sorted(report.finished_load_reqs) == ["a", "b"] and report.bytes_loaded == 3 * 64
+    assert 20.0 <= report.load_seconds <= 20.0 + 2 * slack
+    w.shutdown()
+
+
+
+def test_transfer_seconds_are_finish_minus_submit_and_never_negative(monkeypatch):
+    """An empty load finishes at submission: its time is the clock between the two readings (clamped at 0
+    when a backend's clock reads earlier than the worker's).
+
+    Found by mutation testing of worker_side/worker.py (docs/mutation.md)."""
+    w = cpu_worker()
+    w.register_kv_caches({"l": torch.zeros(NUM_GPU_BLOCKS, 64, dtype=torch.uint8)})
+    for readings, expected in (((10.0, 10.25), 0.25), ((10.0, 9.5), 0.0)):
+        clock = iter(readings)
+        monkeypatch.setattr(worker_module, "time", types.SimpleNamespace(perf_counter=lambda c=clock: next(c)))
+        w.start_load(TransferMetadata(load_event=1, load_event_reqs=["r"]))
+        report = w.get_finished()
+        assert report.finished_load_reqs == ["r"] and report.load_seconds == expected and report.bytes_loaded == 0
+    w.shutdown()

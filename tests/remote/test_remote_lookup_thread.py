@@ -1,6 +1,7 @@
 """The remote tier's lookup thread (scheduler_side/tiers/remote/lookups.py) against a stand-in client: batching,
-cancellation, error and block accounting, and the thread's CPU-time figure. Behaviours the mutation run
-found no test for (docs/mutation.md); the real client and server: test_remote_client.py.
+rounds (a question answered in full takes one), cancellation, error and block accounting, the thread's
+CPU-time figure, a close that never hangs on a stalled server, and the gauges' memory poll apart from it.
+The real client and server: test_remote_client.py.
 
 The stand-in can hold the thread inside a call (`gate`), so that questions submitted meanwhile are asked
 together in the next round, which makes every batch deterministic."""
@@ -13,7 +14,7 @@ import time
 import pytest
 
 from offload_connector.remote.breaker import RemoteCounters
-from scheduler_side.tiers.remote.lookups import MAX_QUESTIONS_PER_ROUND, RemoteLookups
+from scheduler_side.tiers.remote.lookups import BLOCKS_PER_ROUND, MAX_QUESTIONS_PER_ROUND, RemoteLookups
 
 pytest.importorskip("redis", reason="the remote tier's client needs the `redis` package")
 
@@ -100,11 +101,14 @@ def hold_the_thread(client: StandInClient, lookups: RemoteLookups) -> int:
 
 
 def test_the_thread_is_a_daemon(lookups) -> None:
-    """A forgotten close() must not keep the process alive at exit."""
+    """A forgotten close() must not keep the process alive at exit.
+
+    Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
     assert lookups._thread.daemon is True
 
 
 def test_questions_waiting_together_are_asked_together_up_to_the_round_limit(client, lookups) -> None:
+    """Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
     first = hold_the_thread(client, lookups)
     tickets = [lookups.submit(hashes(1, 1), 0) for _ in range(MAX_QUESTIONS_PER_ROUND + 44)]
     client.gate.set()
@@ -113,6 +117,7 @@ def test_questions_waiting_together_are_asked_together_up_to_the_round_limit(cli
 
 
 def test_a_question_cancelled_before_its_round_is_never_asked(client, lookups) -> None:
+    """Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
     first = hold_the_thread(client, lookups)
     dropped, kept = lookups.submit(hashes(2, 3), 0), lookups.submit(hashes(3, 2), 0)
     lookups.cancel(dropped)
@@ -122,7 +127,20 @@ def test_a_question_cancelled_before_its_round_is_never_asked(client, lookups) -
     assert lookups.take(dropped) is None and not lookups._cancelled
 
 
+def test_cancelling_an_answered_question_forgets_its_answer(client) -> None:
+    """`cancel` of a question already answered drops the answer (it is never taken) and keeps nothing.
+
+    Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
+    lookups = RemoteLookups(client, "p", 1)
+    ticket = lookups.submit(hashes(14, 2), 0)
+    lookups.close()  # the thread answers everything queued before it stops
+    lookups.cancel(ticket)
+    assert lookups.take(ticket) is None
+    assert not lookups._cancelled  # noqa: SLF001 - nothing waits for an answer that will never come
+
+
 def test_each_failed_round_counts_one_error_and_the_thread_lives_on(client, lookups) -> None:
+    """Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
     client.failures = 2
     for seed in (4, 5):
         lookups.submit(hashes(seed, 1), 0)  # unanswered: its request times out
@@ -134,6 +152,7 @@ def test_each_failed_round_counts_one_error_and_the_thread_lives_on(client, look
 
 
 def test_blocks_asked_are_counted_for_every_question_of_a_round(client, lookups) -> None:
+    """Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
     first = hold_the_thread(client, lookups)
     a, b = lookups.submit(hashes(7, 3), 0), lookups.submit(hashes(8, 2), 0)
     client.gate.set()
@@ -142,6 +161,7 @@ def test_blocks_asked_are_counted_for_every_question_of_a_round(client, lookups)
 
 
 def test_a_round_the_server_cannot_answer_still_counts_every_question(client, lookups) -> None:
+    """Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
     first = hold_the_thread(client, lookups)
     client.answer_none = True
     a, b = lookups.submit(hashes(9, 3), 0), lookups.submit(hashes(10, 2), 0)
@@ -152,7 +172,9 @@ def test_a_round_the_server_cannot_answer_still_counts_every_question(client, lo
 
 def test_the_thread_cpu_time_adds_up_over_rounds(client, lookups) -> None:
     """`cpu_seconds` (a benchmark figure) is the thread's CPU time spent on rounds: at least what the calls
-    inside them took, at most all the CPU time the thread used so far."""
+    inside them took, at most all the CPU time the thread used so far.
+
+    Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
     client.burn = 200_000
     for seed in (11, 12):
         assert answer(lookups, lookups.submit(hashes(seed, 1), 0)) == 1
@@ -164,6 +186,52 @@ def test_the_thread_cpu_time_adds_up_over_rounds(client, lookups) -> None:
     client.on_call = look
     assert answer(lookups, lookups.submit(hashes(13, 1), 0)) == 1
     assert 0 < seen["busy"] <= seen["cpu"] <= seen["thread"]
+
+
+def test_a_question_answered_in_full_takes_no_extra_round() -> None:
+    """Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
+    client = StandInClient()
+    lookups = RemoteLookups(client, "ns", world_size=1)
+    try:
+        assert answer(lookups, lookups.submit(hashes(1, BLOCKS_PER_ROUND), 0)) == BLOCKS_PER_ROUND
+        assert [len(call) for call in client.calls] == [1]
+    finally:
+        lookups.close()
+
+
+def test_a_question_cancelled_during_its_round_leaves_nothing_behind() -> None:
+    """Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
+    client = StandInClient()
+    lookups = RemoteLookups(client, "ns", world_size=1)
+    try:
+        client.gate.clear()
+        ticket = lookups.submit(hashes(2, 2), 0)
+        assert client.entered.wait(30)
+        lookups.cancel(ticket)  # no answer yet: remembered as cancelled until the round files it
+        client.gate.set()
+        assert answer(lookups, lookups.submit(hashes(3, 1), 0)) == 1  # that round is over
+        assert lookups.take(ticket) is None and not lookups._cancelled and not lookups._answers
+    finally:
+        lookups.close()
+
+
+def test_close_returns_while_the_server_does_not_answer() -> None:
+    """A stalled server (the thread stuck in a round trip) must not hang the engine's shutdown.
+
+    Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
+    client = StandInClient()
+    client.gate.clear()
+    client.gate_timeout = None  # stalled until the test lets it go
+    lookups = RemoteLookups(client, "ns", world_size=1)
+    lookups.submit(hashes(4, 1), 0)
+    assert client.entered.wait(30)
+    closer = threading.Thread(target=lookups.close)
+    closer.start()
+    closer.join(60)  # a hang detector, not a speed bound: close() waits at most 5 s for the thread
+    stuck = closer.is_alive()
+    client.gate.set()  # let the thread go, whatever happened
+    closer.join()
+    assert not stuck
 
 
 class StalledMemory(StandInClient):

@@ -1,0 +1,239 @@
+"""The lazy store policy in its frontier mode (under pressure), one rule per test through a scripted
+`StorePolicyView` (tests/lazy_view.py): when the mode starts (the first miss on content the CPU tier
+evicted) and what it changes, how far ahead of the GPU eviction frontier a step stores (the lookahead), which
+frontier blocks a step picks, the blocks it holds for a finishing request, and what a completed store gives
+back. The scheduler-level stories: test_lazy_policy.py; the admission window and deferrals:
+test_lazy_policy_exact.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from helpers import FakeRequest, lazy_under_pressure
+from lazy_view import BS, ScriptedView, dead_key_view, hashed_keys, picks_per_step, state_of, unsaved
+
+from offload_connector.hashing import with_group_id
+from scheduler_side.policies.lazy import LazyStorePolicy
+from scheduler_side.request_state import LoadJob, RequestState
+
+
+def finished(num_blocks: int, gpu_ids: list[int] | None = None, computed_blocks: int | None = None,
+             hashed_blocks: int | None = None) -> RequestState:
+    """A finishing request with `num_blocks` full blocks (all computed unless told), on GPU blocks 10, 11..."""
+    request = FakeRequest("r", list(range(num_blocks * BS)), BS)
+    if hashed_blocks is not None:
+        request.block_hashes = request.block_hashes[:hashed_blocks]
+    ids = gpu_ids if gpu_ids is not None else [10 + i for i in range(num_blocks)]
+    computed = num_blocks if computed_blocks is None else computed_blocks
+    return RequestState(request, gpu_block_ids=ids, num_computed_tokens=computed * BS)
+
+
+def keys_of(state: RequestState, group: int = 0) -> list[bytes]:
+    return [with_group_id(h, group) for h in state.request.block_hashes]
+
+
+# ---- when the frontier mode starts ---------------------------------------------------------------------------
+def test_the_cpu_tier_is_under_pressure_from_the_first_miss_on_content_it_evicted():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    view = ScriptedView(num_gpu_blocks=2)
+    policy = LazyStorePolicy(view)
+    job = LoadJob([], [])
+    a, b = state_of(3, request_id="a"), state_of(3, request_id="b")
+    a.request.block_hashes[0] = b"a0"  # (distinct first blocks)
+    b.request.block_hashes[0] = b"b0"
+
+    def step() -> None:
+        policy.pick_stores()
+        policy.on_stores_emitted(None, [])
+
+    step()
+    assert not policy.on_load_complete(job)  # no pressure yet: CPU copies of loaded blocks are kept
+    assert not policy.lends_load_slots() and not policy.gpu_copy_worthless_after_store
+    for k in (b"a0", b"x", b"y"):
+        policy.on_cpu_evicted(with_group_id(k))  # evictions alone change nothing
+    step()
+    assert not policy.under_pressure
+    assert policy.may_admit(a, 0) and not policy.under_pressure  # "a0" was 3 evictions ago: beyond the 2 GPU blocks
+    assert policy.may_admit(b, 1) and not policy.under_pressure  # a CPU hit up to block 1: its miss is block 1
+    b.request.block_hashes[1] = b"y"
+    assert policy.may_admit(b, 1) and policy.under_pressure  # it misses content evicted 1 eviction ago
+    for _ in range(200):  # a quiet spell (no eviction for many steps) does not end it
+        assert policy.on_load_complete(job) and policy.lends_load_slots() and policy.gpu_copy_worthless_after_store
+        step()
+
+
+def test_gpu_hits_name_their_cpu_copies_under_the_schedulers_group():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    view = ScriptedView(group_id=3)
+    state = state_of(3)
+    assert LazyStorePolicy(view).on_allocated(state, 2) == []  # no pressure: the copies stay
+    policy = lazy_under_pressure(view)
+    assert policy.on_allocated(state, 2) == [with_group_id(h, 3) for h in state.request.block_hashes[:2]]
+    assert policy.on_allocated(state, 0) == []
+
+
+# ---- how far ahead a step stores: the lookahead --------------------------------------------------------------
+def test_the_first_steps_lookahead_follows_exactly_what_it_allocated():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    policy = lazy_under_pressure(ScriptedView(lazy_lookahead_blocks=None))
+    assert policy.lookahead == 16  # the floor
+    policy.on_blocks_allocated(10)
+    policy.pick_stores()
+    assert policy.lookahead == 20  # 2.0 x the peak of 10 blocks
+
+
+def test_the_lookahead_follows_the_recent_peak_allocation():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    view = ScriptedView(lazy_lookahead_blocks=None, frontier=unsaved(1, 200))
+    policy = lazy_under_pressure(view)
+    assert len(policy.pick_stores().gpu_ids) == 16  # the floor: nothing allocated yet
+    policy.on_stores_emitted(None, [])
+    policy.on_blocks_allocated(12)  # two admissions in one step
+    policy.on_blocks_allocated(12)
+    first = len(policy.pick_stores().gpu_ids)
+    policy.on_stores_emitted(None, [])
+    assert first == 2 * 24  # twice the step's allocations
+    later = []
+    for _ in range(3):  # quiet steps: the peak decays, never below the floor
+        later.append(len(policy.pick_stores().gpu_ids))
+        policy.on_stores_emitted(None, [])
+    assert first > later[0] > later[1] > later[2] >= 16
+
+
+def test_picks_weigh_less_while_store_events_outlast_a_step():
+    """A picked block leaves the GPU frontier while its store is in flight; the policy learns how often the
+    last event was still in flight at the next step and lets each pick count for less accordingly.
+
+    Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    view = ScriptedView(lazy_lookahead_blocks=10, frontier=unsaved(1, 200))
+    policy = lazy_under_pressure(view)
+    steps = [picks_per_step(policy, view, event_id) for event_id in range(3)]  # no event completes
+    assert steps[0] == 10 and steps[0] < steps[1] < steps[2] < 2 * 10
+    view.outstanding.clear()  # from now on every event completes within its step
+    calm = []
+    for event_id in range(3, 6):
+        calm.append(len(policy.pick_stores().gpu_ids))
+        policy.on_stores_emitted(event_id, [])
+    assert steps[2] > calm[0] > calm[1] >= calm[2] >= 10
+
+
+# ---- which frontier blocks a step picks, and what a completed store gives back --------------------------------
+def test_a_step_picks_no_more_unsaved_blocks_than_the_cpu_tier_has_room_for():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    for cpu_free in (0, 1, 2, 3):
+        policy = lazy_under_pressure(ScriptedView(lazy_lookahead_blocks=6, frontier=unsaved(1, 6), cpu_free=cpu_free))
+        assert policy.pick_stores().gpu_ids == list(range(1, cpu_free + 1)), cpu_free
+
+
+def test_a_key_is_picked_once_even_if_two_free_blocks_hold_it():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    frontier = [(1, b"same"), (2, b"same"), (3, b"other")]
+    policy = lazy_under_pressure(ScriptedView(lazy_lookahead_blocks=6, frontier=frontier))
+    assert policy.pick_stores().gpu_ids == [1, 3]
+
+
+def test_the_frontier_scan_skips_dead_keys() -> None:
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    k = hashed_keys(3)
+    policy = lazy_under_pressure(dead_key_view([(1, k[0]), (2, k[1]), (3, k[2])], dead={k[1]}))
+    picks = policy.pick_stores()
+    assert picks.keys == [k[0], k[2]] and picks.gpu_ids == [1, 3]
+
+
+def test_held_blocks_take_their_cpu_room_first():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    view = ScriptedView(lazy_lookahead_blocks=8, gpu_free=0, cpu_free=3)
+    policy = lazy_under_pressure(view)
+    assert policy.on_request_finished(finished(2)) == [10, 11]
+    view.frontier = unsaved(1, 6)
+    picks = policy.pick_stores()
+    assert picks.gpu_ids == [10, 11, 1] and picks.release_gpu_ids == [10, 11]
+
+
+def test_a_completed_store_restores_the_frontier_up_to_its_last_stored_block():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    frontier = unsaved(1, 3)
+    for event_id, stored, restored in ((1, [3], 3), (2, [2], 2), (3, [1], 1), (4, [], 0)):
+        policy = lazy_under_pressure(ScriptedView(lazy_lookahead_blocks=3, frontier=frontier))
+        assert policy.pick_stores().gpu_ids == [1, 2, 3]
+        policy.on_stores_emitted(event_id, stored)
+        assert policy.on_store_complete(event_id) == frontier[:restored], stored
+
+
+# ---- what a finishing request leaves held -------------------------------------------------------------------
+def test_held_blocks_fill_exactly_the_cpu_room_left_by_earlier_holds():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    view = ScriptedView(lazy_lookahead_blocks=8, gpu_free=2, cpu_free=5)
+    policy = lazy_under_pressure(view)
+    assert policy.on_request_finished(finished(3)) == [10, 11, 12]
+    second = finished(4, gpu_ids=[20, 21, 22, 23])
+    second.request = FakeRequest("s", [100 + t for t in range(4 * BS)], BS)
+    assert policy.on_request_finished(second) == [20, 21]  # room 5 - 3 held
+    assert policy.num_held_blocks == 5
+    third = finished(1, gpu_ids=[30])
+    third.request = FakeRequest("t", [200 + t for t in range(BS)], BS)
+    assert policy.on_request_finished(third) == []  # no room left: nothing held
+
+
+def test_nothing_is_held_once_the_gpu_free_queue_reaches_the_lookahead():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    for gpu_free, held in ((7, [10, 11]), (8, []), (9, [])):
+        policy = lazy_under_pressure(ScriptedView(lazy_lookahead_blocks=8, gpu_free=gpu_free, cpu_free=10))
+        assert policy.on_request_finished(finished(2)) == held, gpu_free
+
+
+def test_a_single_free_cpu_block_still_takes_one_hold():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    policy = lazy_under_pressure(ScriptedView(lazy_lookahead_blocks=8, gpu_free=0, cpu_free=1))
+    assert policy.on_request_finished(finished(3)) == [10]
+
+
+def test_saved_and_null_blocks_are_skipped_not_the_end_of_the_scan():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    state = finished(4, gpu_ids=[10, 0, 12, 13])
+    view = ScriptedView(lazy_lookahead_blocks=8, gpu_free=0, saved={keys_of(state)[0]})
+    assert lazy_under_pressure(view).on_request_finished(state) == [12, 13]
+
+
+def test_holds_stop_at_the_last_hashed_or_computed_block():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    view = ScriptedView(lazy_lookahead_blocks=8, gpu_free=0)
+    assert lazy_under_pressure(view).on_request_finished(finished(4, hashed_blocks=2)) == [10, 11]
+    assert lazy_under_pressure(view).on_request_finished(finished(4, computed_blocks=3)) == [10, 11, 12]
+
+
+def test_held_blocks_are_stored_under_the_group_keys():
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    state = finished(2)
+    view = ScriptedView(lazy_lookahead_blocks=8, gpu_free=0, group_id=5)
+    policy = lazy_under_pressure(view)
+    assert policy.on_request_finished(state) == [10, 11]
+    picks = policy.pick_stores()
+    assert picks.keys == keys_of(state, group=5) and picks.gpu_ids == [10, 11]
+
+
+def request_state(block_keys_hashes: list[bytes], gpu_ids: list[int]):
+    request = SimpleNamespace(request_id="r", block_hashes=block_keys_hashes, num_tokens=len(gpu_ids) * BS)
+    return SimpleNamespace(request=request, gpu_block_ids=gpu_ids, num_computed_tokens=len(gpu_ids) * BS,
+                           request_id="r")
+
+
+
+def test_a_finishing_request_holds_no_dead_block() -> None:
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    raw = [bytes([i]) * 16 for i in range(3)]
+    dead = {with_group_id(raw[1])}
+    policy = lazy_under_pressure(dead_key_view([], dead=dead))  # no free GPU block: under the lookahead, holds
+    held = policy.on_request_finished(request_state(raw, [5, 6, 7]))
+    assert held == [5, 7]
+
+
+def test_a_held_block_that_died_meanwhile_is_released_not_stored() -> None:
+    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
+    raw = [bytes([i]) * 16 for i in range(2)]
+    view = dead_key_view([], dead=set())
+    policy = lazy_under_pressure(view)
+    assert policy.on_request_finished(request_state(raw, [5, 6])) == [5, 6]
+    view.dead.add(with_group_id(raw[0]))  # e.g. its session closed before the next metadata
+    picks = policy.pick_stores()
+    assert picks.gpu_ids == [6] and sorted(picks.release_gpu_ids) == [5, 6]
