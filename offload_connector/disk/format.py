@@ -1,0 +1,149 @@
+"""Records of the disk tier: one file per block per tensor-parallel rank (shared by both sides; no torch).
+
+Where: `<disk.path>/<rank fingerprint hex>/<cache key hex>.kv`. The rank fingerprint (16 bytes) is
+xxh3-128 of the model fingerprint, the layout fingerprint (`RemoteIdentity`: model, revision, dtypes,
+block size, hash algorithm and seed, per-rank layout) and `tp<rank>of<size>`: another model, layout or
+rank never even looks in this directory, and a record copied into it still fails the header check.
+
+A record: a `HEADER_BYTES` (4096) header region, then the payload (the block's bytes for this rank in
+host-pool order: `HostPool[cpu_block_id]`), then zeros up to a multiple of 4096 (so O_DIRECT can read
+and write whole records). The header, little endian:
+    magic b"OCDK" | version u16 | flags u16 | payload length u64 | fingerprint 16s | key length u16 |
+    checksum u64 | mac 32s | key (key length bytes; the cache key: block hash + 4-byte group id)
+`checksum` is xxh3-64 over the header with checksum and mac zeroed, then the payload. With an auth key,
+flag KEYED is set and `mac` is BLAKE2b-256 keyed with it over the same bytes: a record forged without the
+key fails even with a valid checksum. `Verifier` checks a record against what the reader expects (key,
+fingerprint, length, key or no key) and says why it refuses one; a refused record is a miss, never KV.
+
+Writers make a record visible only complete: written under a temporary name (`.tmp`), then renamed
+(atomic on POSIX); with `disk.fsync` the data is flushed before the rename.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable
+
+import xxhash
+
+from offload_connector.remote.format import RemoteIdentity
+
+MAGIC = b"OCDK"
+VERSION = 1
+KEYED = 1
+HEADER_BYTES = 4096  # the payload starts on a page: O_DIRECT can move it straight into the host pool
+ALIGN = 4096
+_FIXED = struct.Struct("<4sHHQ16sH")  # magic, version, flags, payload length, fingerprint, key length
+_CHECK = struct.Struct("<Q32s")  # checksum, mac
+MAX_KEY_BYTES = HEADER_BYTES - _FIXED.size - _CHECK.size
+SUFFIX, TMP_SUFFIX = ".kv", ".tmp"
+
+
+def align_up(n: int, alignment: int = ALIGN) -> int:
+    return -(-n // alignment) * alignment
+
+
+def record_bytes(payload_bytes: int) -> int:
+    """Bytes one record takes on disk (header region + payload + padding)."""
+    return HEADER_BYTES + align_up(payload_bytes)
+
+
+def rank_fingerprint(identity: RemoteIdentity, rank: int, world_size: int) -> bytes:
+    """16 bytes naming the model, the per-rank layout and the rank: records are shared only within it."""
+    text = f"{identity.model_fingerprint()}:{identity.layout_fingerprint()}:tp{rank}of{world_size}"
+    return xxhash.xxh3_128_digest(text.encode())
+
+
+def rank_dir_name(fingerprint: bytes) -> str:
+    return fingerprint.hex()
+
+
+def record_name(cache_key: bytes) -> str:
+    return cache_key.hex() + SUFFIX
+
+
+def key_of_name(name: str) -> bytes | None:
+    """The cache key a record file name stands for, or None when the name is not a record's."""
+    if not name.endswith(SUFFIX):
+        return None
+    try:
+        return bytes.fromhex(name[:-len(SUFFIX)])
+    except ValueError:
+        return None
+
+
+def _fixed(flags: int, payload_bytes: int, fingerprint: bytes, key: bytes) -> bytes:
+    return _FIXED.pack(MAGIC, VERSION, flags, payload_bytes, fingerprint, len(key)) + key
+
+
+class Sealer:
+    """Builds headers: `seal(key, segments)` hashes the payload given as segments (any buffers, in order)."""
+
+    def __init__(self, fingerprint: bytes, auth_key: bytes | None) -> None:
+        if len(fingerprint) != 16:
+            raise ValueError(f"fingerprint of {len(fingerprint)} bytes; expected 16 (our bug)")
+        self.fingerprint, self.auth_key = fingerprint, auth_key
+
+    def digests(self, fixed: bytes, segments: Iterable[object]) -> tuple[int, bytes]:
+        """(checksum, mac) of a record whose header starts with `fixed` and whose payload is `segments`."""
+        zeroed = fixed[:_FIXED.size] + bytes(_CHECK.size) + fixed[_FIXED.size:]
+        check = xxhash.xxh3_64(zeroed)
+        mac = hashlib.blake2b(zeroed, key=self.auth_key, digest_size=32) if self.auth_key else None
+        for seg in segments:
+            check.update(seg)
+            if mac is not None:
+                mac.update(seg)
+        return check.intdigest(), (mac.digest() if mac is not None else bytes(32))
+
+    def seal(self, key: bytes, segments: list, payload_bytes: int) -> bytes:
+        """The header region (`HEADER_BYTES` bytes) of the record of `key` with payload `segments`."""
+        if len(key) > MAX_KEY_BYTES:
+            raise ValueError(f"cache key of {len(key)} bytes; at most {MAX_KEY_BYTES} (our bug)")
+        fixed = _fixed(KEYED if self.auth_key else 0, payload_bytes, self.fingerprint, key)
+        check, mac = self.digests(fixed, segments)
+        head = fixed[:_FIXED.size] + _CHECK.pack(check, mac) + fixed[_FIXED.size:]
+        return head + bytes(HEADER_BYTES - len(head))
+
+
+class Verifier(Sealer):
+    """Checks records against what the reader expects; every refusal says why."""
+
+    def check_header(self, header: bytes | memoryview, key: bytes | None, payload_bytes: int) -> str:
+        """'' when the header is one of ours for `key` (any key when None) and `payload_bytes`, else why not.
+        Cheap (no payload): the index scan uses it; reads add `check_payload`."""
+        if len(header) < _FIXED.size + _CHECK.size:
+            return "shorter than a header"
+        magic, version, flags, length, fingerprint, key_len = _FIXED.unpack_from(header)
+        if magic != MAGIC or version != VERSION:
+            return "bad magic or version"
+        if fingerprint != self.fingerprint:
+            return "foreign: another model, layout or rank (fingerprint)"
+        if length != payload_bytes:
+            return f"payload length {length} instead of {payload_bytes}"
+        if key_len > MAX_KEY_BYTES:
+            return f"key length {key_len}"
+        found = bytes(header[_FIXED.size + _CHECK.size:_FIXED.size + _CHECK.size + key_len])
+        if key is not None and found != key:
+            return "foreign: a record of another key under this name"
+        if bool(flags & KEYED) != (self.auth_key is not None):
+            return "foreign: signed with a key" if flags & KEYED else "foreign: not signed (an auth key is set)"
+        return ""
+
+    def header_key(self, header: bytes | memoryview) -> bytes:
+        key_len = _FIXED.unpack_from(header)[5]
+        return bytes(header[_FIXED.size + _CHECK.size:_FIXED.size + _CHECK.size + key_len])
+
+    def check_payload(self, header: bytes | memoryview, segments: list) -> str:
+        """'' when the checksum (and mac, when keyed) over the header and `segments` match; else why not.
+        Call after `check_header` passed."""
+        key_len = _FIXED.unpack_from(header)[5]
+        fixed = bytes(header[:_FIXED.size]) + bytes(header[_FIXED.size + _CHECK.size:
+                                                           _FIXED.size + _CHECK.size + key_len])
+        check, mac = _CHECK.unpack_from(header, _FIXED.size)
+        got_check, got_mac = self.digests(fixed, segments)
+        if got_check != check:
+            return "checksum mismatch"
+        if self.auth_key is not None and not hashlib.compare_digest(got_mac, mac):
+            return "foreign: keyed hash mismatch (forged or another key)"
+        return ""
