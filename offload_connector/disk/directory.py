@@ -45,7 +45,8 @@ def open_private_dir(path: str, key: str = "disk.path") -> str:
     """The absolute path of a private, writable directory at `path` (created 0700 when missing)."""
     full = os.path.abspath(path)
     try:
-        os.makedirs(full, mode=0o700, exist_ok=True)
+        if not os.path.lexists(full):
+            os.makedirs(full, mode=0o700, exist_ok=True)
     except OSError as exc:
         raise DiskDirError(key, path, ALLOWED, f"cannot create it: {exc.strerror}") from None
     _check_private(full, key, path)

@@ -10,7 +10,8 @@ host-pool order: `HostPool[cpu_block_id]`), then zeros up to a multiple of 4096 
 and write whole records). The header, little endian:
     magic b"OCDK" | version u16 | flags u16 | payload length u64 | fingerprint 16s | key length u16 |
     checksum u64 | mac 32s | key (key length bytes; the cache key: block hash + 4-byte group id)
-`checksum` is xxh3-64 over the header with checksum and mac zeroed, then the payload. With an auth key,
+`checksum` is xxh3-64 over the whole header region (zeros after the key) with checksum and mac zeroed,
+then the payload; readers also check the padding after the payload is zero: any flipped byte is refused. With an auth key,
 flag KEYED is set and `mac` is BLAKE2b-256 keyed with it over the same bytes: a record forged without the
 key fails even with a valid checksum. `Verifier` checks a record against what the reader expects (key,
 fingerprint, length, key or no key) and says why it refuses one; a refused record is a miss, never KV.
@@ -22,6 +23,7 @@ Writers make a record visible only complete: written under a temporary name (`.t
 from __future__ import annotations
 
 import hashlib
+import hmac
 import struct
 from collections.abc import Iterable
 
@@ -36,7 +38,8 @@ HEADER_BYTES = 4096  # the payload starts on a page: O_DIRECT can move it straig
 ALIGN = 4096
 _FIXED = struct.Struct("<4sHHQ16sH")  # magic, version, flags, payload length, fingerprint, key length
 _CHECK = struct.Struct("<Q32s")  # checksum, mac
-MAX_KEY_BYTES = HEADER_BYTES - _FIXED.size - _CHECK.size
+_KEY_AT = _FIXED.size + _CHECK.size
+MAX_KEY_BYTES = 64
 SUFFIX, TMP_SUFFIX = ".kv", ".tmp"
 
 
@@ -73,10 +76,6 @@ def key_of_name(name: str) -> bytes | None:
         return None
 
 
-def _fixed(flags: int, payload_bytes: int, fingerprint: bytes, key: bytes) -> bytes:
-    return _FIXED.pack(MAGIC, VERSION, flags, payload_bytes, fingerprint, len(key)) + key
-
-
 class Sealer:
     """Builds headers: `seal(key, segments)` hashes the payload given as segments (any buffers, in order)."""
 
@@ -85,11 +84,10 @@ class Sealer:
             raise ValueError(f"fingerprint of {len(fingerprint)} bytes; expected 16 (our bug)")
         self.fingerprint, self.auth_key = fingerprint, auth_key
 
-    def digests(self, fixed: bytes, segments: Iterable[object]) -> tuple[int, bytes]:
-        """(checksum, mac) of a record whose header starts with `fixed` and whose payload is `segments`."""
-        zeroed = fixed[:_FIXED.size] + bytes(_CHECK.size) + fixed[_FIXED.size:]
-        check = xxhash.xxh3_64(zeroed)
-        mac = hashlib.blake2b(zeroed, key=self.auth_key, digest_size=32) if self.auth_key else None
+    def digests(self, region: bytes | bytearray, segments: Iterable[object]) -> tuple[int, bytes]:
+        """(checksum, mac) over a header region whose checksum and mac are zeroed, then the payload."""
+        check = xxhash.xxh3_64(region)
+        mac = hashlib.blake2b(region, key=self.auth_key, digest_size=32) if self.auth_key else None
         for seg in segments:
             check.update(seg)
             if mac is not None:
@@ -100,10 +98,12 @@ class Sealer:
         """The header region (`HEADER_BYTES` bytes) of the record of `key` with payload `segments`."""
         if len(key) > MAX_KEY_BYTES:
             raise ValueError(f"cache key of {len(key)} bytes; at most {MAX_KEY_BYTES} (our bug)")
-        fixed = _fixed(KEYED if self.auth_key else 0, payload_bytes, self.fingerprint, key)
-        check, mac = self.digests(fixed, segments)
-        head = fixed[:_FIXED.size] + _CHECK.pack(check, mac) + fixed[_FIXED.size:]
-        return head + bytes(HEADER_BYTES - len(head))
+        fixed = _FIXED.pack(MAGIC, VERSION, KEYED if self.auth_key else 0, payload_bytes, self.fingerprint, len(key))
+        region = bytearray(HEADER_BYTES)
+        region[:_FIXED.size] = fixed
+        region[_KEY_AT:_KEY_AT + len(key)] = key
+        _CHECK.pack_into(region, _FIXED.size, *self.digests(region, segments))
+        return bytes(region)
 
 
 class Verifier(Sealer):
@@ -123,7 +123,7 @@ class Verifier(Sealer):
             return f"payload length {length} instead of {payload_bytes}"
         if key_len > MAX_KEY_BYTES:
             return f"key length {key_len}"
-        found = bytes(header[_FIXED.size + _CHECK.size:_FIXED.size + _CHECK.size + key_len])
+        found = bytes(header[_KEY_AT:_KEY_AT + key_len])
         if key is not None and found != key:
             return "foreign: a record of another key under this name"
         if bool(flags & KEYED) != (self.auth_key is not None):
@@ -132,18 +132,19 @@ class Verifier(Sealer):
 
     def header_key(self, header: bytes | memoryview) -> bytes:
         key_len = _FIXED.unpack_from(header)[5]
-        return bytes(header[_FIXED.size + _CHECK.size:_FIXED.size + _CHECK.size + key_len])
+        return bytes(header[_KEY_AT:_KEY_AT + key_len])
 
     def check_payload(self, header: bytes | memoryview, segments: list) -> str:
         """'' when the checksum (and mac, when keyed) over the header and `segments` match; else why not.
         Call after `check_header` passed."""
-        key_len = _FIXED.unpack_from(header)[5]
-        fixed = bytes(header[:_FIXED.size]) + bytes(header[_FIXED.size + _CHECK.size:
-                                                           _FIXED.size + _CHECK.size + key_len])
+        if len(header) != HEADER_BYTES:
+            return f"header of {len(header)} bytes"
         check, mac = _CHECK.unpack_from(header, _FIXED.size)
-        got_check, got_mac = self.digests(fixed, segments)
+        region = bytearray(header)
+        region[_FIXED.size:_KEY_AT] = bytes(_CHECK.size)
+        got_check, got_mac = self.digests(region, segments)
         if got_check != check:
             return "checksum mismatch"
-        if self.auth_key is not None and not hashlib.compare_digest(got_mac, mac):
+        if self.auth_key is not None and not hmac.compare_digest(got_mac, mac):
             return "foreign: keyed hash mismatch (forged or another key)"
         return ""

@@ -147,6 +147,8 @@ def read_record(dir_fd: int, name: str, segments: list, payload_bytes: int, dire
         buffers = [header, *segments] + ([memoryview(_scratch.pad)[:pad]] if pad else [])
         if _all(os.preadv, fd, buffers, want) != want:
             return None, "truncated while read"
+        if pad and _scratch.pad[:pad] != bytes(pad):
+            return None, "padding after the payload is not zero"
         return memoryview(header), ""
     finally:
         os.close(fd)
