@@ -29,7 +29,7 @@ class DiskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     write: Literal["on_store", "on_cpu_evict"] = "on_store"
     auth_key_file: str | None = None  # a file of 16-64 secret bytes: every record carries a keyed BLAKE2b
     io_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4  # per rank: reads and writes in parallel
-    direct_io: bool = False  # O_DIRECT where the pool's rows are page aligned (docs/benchmarks.md, bench_disk)
+    direct_io: bool = True  # O_DIRECT where the pool's rows are page aligned (docs/benchmarks.md, bench_disk)
     fsync: bool = False  # fsync each record before it becomes visible (survives power loss; slower)
     max_inflight_bytes: int | str = "256MiB"  # per rank: bytes queued for writing; beyond it writes drop
     timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=600000)] = 2000  # a request waits this long for a read

@@ -1,5 +1,6 @@
 """What the disk tier did: one `DiskCounters` per worker rank (reads, writes) and one `DiskIndexCounters`
-on the scheduler (lookups, eviction, the start-up scan). Plain counters, no I/O, no project imports."""
+on the scheduler (lookups, eviction, the start-up scan). Plain int counters (times in microseconds: a
+worker report's counters are ints), no I/O, no project imports."""
 
 from __future__ import annotations
 
@@ -10,19 +11,19 @@ from dataclasses import asdict, dataclass
 class DiskCounters:
     read_blocks: int = 0  # records read into the host pool and verified
     read_bytes: int = 0  # payload bytes of those
-    read_seconds: float = 0.0  # summed over the I/O threads
+    read_us: int = 0  # microseconds, summed over the I/O threads
     read_miss_blocks: int = 0  # the file was gone (evicted or removed since the lookup)
     corrupt_blocks: int = 0  # refused: length, checksum, truncated (dropped: the file is deleted)
     foreign_blocks: int = 0  # refused: another fingerprint, key, owner, or keyed hash (dropped)
     read_failed_blocks: int = 0  # I/O errors or the tier stepped aside: a miss, the record kept
     written_blocks: int = 0
     written_bytes: int = 0
-    write_seconds: float = 0.0
+    write_us: int = 0
     dropped_writes: int = 0  # not written: queue full, the tier stepped aside, or an I/O error
     errors: int = 0  # I/O errors (disk full, read-only, EIO ...)
     breaker_trips: int = 0
 
-    def snapshot(self) -> dict[str, float]:
+    def snapshot(self) -> dict[str, int]:
         return asdict(self)
 
 
@@ -33,7 +34,7 @@ class DiskIndexCounters:
     dropped_blocks: int = 0  # records a rank refused on read (corrupt or foreign): deleted
     scanned_blocks: int = 0  # complete records found by the start-up scan
     scan_refused_files: int = 0  # files the scan deleted (bad header) or skipped (not ours)
-    scan_seconds: float = 0.0
+    scan_us: int = 0
 
-    def snapshot(self) -> dict[str, float]:
+    def snapshot(self) -> dict[str, int]:
         return asdict(self)

@@ -155,11 +155,11 @@ def test_a_record_owned_by_another_user_is_never_served_nor_deleted(tmp_path, po
     io.close()
 
 
-def test_snapshot_writes_copy_the_rows_before_returning(tmp_path, pool):
-    """Write-back: the rows may be reused as soon as submit_write returns."""
+def test_writes_copy_the_rows_before_returning(tmp_path, pool):
+    """The scheduler holds nothing for a write: the rows may be reused as soon as submit_write returns."""
     io = make_io(tmp_path / "disk", pool)
     data = fill(pool, 1, seed=1)
-    io.submit_write(0, [1], [key(1)], snapshot=True)
+    io.submit_write(0, [1], [key(1)])
     fill(pool, 1, seed=2)  # reused at once
     assert io.wait_idle(30) and io.poll()[0].failed_keys == []
     run(io, "read", 1, [3], [key(1)])
@@ -167,8 +167,8 @@ def test_snapshot_writes_copy_the_rows_before_returning(tmp_path, pool):
     io.close()
 
 
-def test_snapshot_writes_beyond_the_inflight_bound_are_dropped(tmp_path, pool):
+def test_writes_beyond_the_inflight_bound_are_dropped(tmp_path, pool):
     io = make_io(tmp_path / "disk", pool, max_inflight_bytes=pool.bytes_per_block)
-    result = run(io, "write", 0, [1, 2, 3], [key(1), key(2), key(3)], snapshot=True)
+    result = run(io, "write", 0, [1, 2, 3], [key(1), key(2), key(3)])
     assert len(result.failed_keys) == 2 and io.counters.dropped_writes == 2 and io.counters.written_blocks == 1
     io.close()

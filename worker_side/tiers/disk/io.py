@@ -6,9 +6,8 @@ the host pool's rows. `poll()` hands back finished jobs as `DiskJobResult`s, eac
 failed (a miss for a read: the engine recomputes) and the records refused and deleted (corrupt or foreign:
 the scheduler drops them from its index).
 Invariants: a read job writes only its own CPU blocks, which the scheduler holds reserved until every rank
-reported the job; a write job with `snapshot=False` reads rows the scheduler holds until it saw the job
-complete; with `snapshot=True` (write-back on CPU eviction) the rows are copied out on the caller's thread
-before `submit_write` returns. Every read is verified (`format.Verifier`: key, fingerprint, length,
+reported the job; a write job copies its rows into `Snapshots` slots (one batched copy, GIL released)
+before `submit_write` returns and never reads the pool again: the scheduler holds nothing for a write. Every read is verified (`format.Verifier`: key, fingerprint, length,
 checksum, keyed hash) before it counts: a record that fails is a miss, never KV.
 Faults: an I/O error on a write (disk full, read-only, EIO ...) or a read opens that direction's breaker
 (`remote/breaker.py`): one warning, and the direction steps aside (jobs fail at once, counted) until a trial
@@ -32,6 +31,7 @@ from offload_connector.disk.directory import open_rank_dir
 from offload_connector.disk.format import Verifier, rank_dir_name, record_name
 from offload_connector.remote.breaker import CircuitBreaker
 from worker_side.tiers.disk.records import PoolSegments, read_record, write_record
+from worker_side.tiers.disk.snapshots import Snapshots
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,6 @@ class DiskJobResult:
 class _Job:
     result: DiskJobResult
     remaining: int
-    snapshot_bytes: int = 0
 
 
 class DiskWorkerIO:
@@ -63,8 +62,7 @@ class DiskWorkerIO:
         self.payload_bytes = rows.bytes_per_block
         self.direct = bool(disk.direct_io and rows.direct_ok)
         if disk.direct_io and not self.direct:
-            logger.warning("disk tier: direct_io asked for, but the host pool's rows are not %d-byte aligned; "
-                           "using buffered I/O", 4096)
+            logger.info("disk tier: the host pool's rows are not 4096-byte aligned; buffered I/O, not O_DIRECT")
         self.counters = DiskCounters()
         backoff, most = disk.breaker_backoff_ms / 1000, disk.breaker_max_backoff_ms / 1000
         self.write_breaker, self.read_breaker = CircuitBreaker(backoff, most), CircuitBreaker(backoff, most)
@@ -72,9 +70,8 @@ class DiskWorkerIO:
         self._lock = threading.Condition()
         self._results: list[DiskJobResult] = []
         self._jobs_in_flight = 0
-        self._snapshot_bytes = 0  # bytes of write-back copies queued
-        self._tmp_tag = f"{os.getpid()}.{threading.get_ident() & 0xffff:x}"
-        self._reported: dict[str, float] = {}
+        self._snapshots = Snapshots(rows.bytes_per_block, disk.max_inflight_bytes)
+        self._reported: dict[str, int] = {}
         self._closed = False
 
     # ---- submitting ----------------------------------------------------------------------------------
@@ -82,25 +79,14 @@ class DiskWorkerIO:
         self._submit(_Job(DiskJobResult(event_id, "read"), len(cpu_block_ids)), cpu_block_ids, cache_keys,
                      self._read_one)
 
-    def submit_write(self, event_id: int, cpu_block_ids: Sequence[int], cache_keys: Sequence[bytes],
-                     snapshot: bool = False) -> None:
-        """Write these blocks; `snapshot`: copy their rows now (the caller reuses them after return)."""
+    def submit_write(self, event_id: int, cpu_block_ids: Sequence[int], cache_keys: Sequence[bytes]) -> None:
+        """Copy these blocks' rows now (the caller may reuse them once this returns), write them later.
+        Blocks beyond `max_inflight_bytes` of copies waiting, or all while writes step aside, are dropped."""
         job = _Job(DiskJobResult(event_id, "write"), len(cpu_block_ids))
-        if not snapshot:
-            self._submit(job, cpu_block_ids, cache_keys, self._write_one)
-            return
-        sources = []
-        size = self.payload_bytes
-        with self._lock:
-            open_ = self.write_breaker.state == "open"
-            for _ in cpu_block_ids:
-                fits = not open_ and self._snapshot_bytes + size <= self.disk.max_inflight_bytes
-                if fits:
-                    self._snapshot_bytes += size
-                    job.snapshot_bytes += size
-                sources.append(fits)
-        copies = [self.rows.snapshot(c) if ok else None for c, ok in zip(cpu_block_ids, sources, strict=True)]
-        self._submit(job, copies, cache_keys, self._write_one)
+        slots = [] if self.write_breaker.state == "open" else self._snapshots.take(len(cpu_block_ids))
+        if slots:
+            self.rows.gather(cpu_block_ids[:len(slots)], [self._snapshots.address(s) for s in slots])
+        self._submit(job, slots + [None] * (len(cpu_block_ids) - len(slots)), cache_keys, self._write_one)
 
     def _submit(self, job: _Job, sources: Sequence, cache_keys: Sequence[bytes], task) -> None:  # noqa: ANN001
         if len(sources) != len(cache_keys):
@@ -131,7 +117,6 @@ class DiskWorkerIO:
 
     def _finish(self, job: _Job) -> None:
         with self._lock:
-            self._snapshot_bytes -= job.snapshot_bytes
             self._results.append(job.result)
             self._jobs_in_flight -= 1
             self._lock.notify_all()
@@ -147,32 +132,35 @@ class DiskWorkerIO:
                            "the engine goes on without them", what, self.dir, errno.errorcode.get(exc.errno or 0,
                            exc.strerror), what, self.disk.breaker_backoff_ms / 1000)
 
-    def _write_one(self, job: _Job, source, key: bytes) -> None:  # noqa: ANN001 - a cpu block id, a snapshot or None
+    def _write_one(self, job: _Job, slot: int | None, key: bytes) -> None:
         fail = job.result.failed_keys
-        if source is None or not self.write_breaker.allow():
+        if slot is None or not self.write_breaker.allow():
             with self._lock:
                 self.counters.dropped_writes += 1
                 fail.append(key)
+            if slot is not None:
+                self._snapshots.give(slot)
             return
         start = time.perf_counter()
-        segments = self.rows.segments(source) if isinstance(source, int) else [source]
-        header = self.verifier.seal(key, segments if isinstance(source, int) else
-                                    [source[:self.payload_bytes]], self.payload_bytes)
+        copy = self._snapshots.view(slot)
         name = record_name(key)
         try:
-            write_record(self._dir_fd, name, f"{name}.{self._tmp_tag}.{threading.get_ident():x}.tmp", header,
-                         segments, self.payload_bytes, self.direct, self.disk.fsync)
+            header = self.verifier.seal(key, [copy[:self.payload_bytes]], self.payload_bytes)
+            write_record(self._dir_fd, name, f"{name}.{os.getpid()}.{threading.get_ident():x}.tmp", header,
+                         [copy], self.payload_bytes, self.direct, self.disk.fsync)
         except OSError as exc:
             self._io_failed(self.write_breaker, "write", exc)
             with self._lock:
                 self.counters.dropped_writes += 1
                 fail.append(key)
             return
+        finally:
+            self._snapshots.give(slot)
         self.write_breaker.on_success()
         with self._lock:
             self.counters.written_blocks += 1
             self.counters.written_bytes += self.payload_bytes
-            self.counters.write_seconds += time.perf_counter() - start
+            self.counters.write_us += int((time.perf_counter() - start) * 1e6)
 
     def _read_one(self, job: _Job, cpu_block_id: int, key: bytes) -> None:
         result, counters = job.result, self.counters
@@ -200,7 +188,7 @@ class DiskWorkerIO:
             with self._lock:
                 counters.read_blocks += 1
                 counters.read_bytes += self.payload_bytes
-                counters.read_seconds += time.perf_counter() - start
+                counters.read_us += int((time.perf_counter() - start) * 1e6)
             return
         dropped = why != "missing"
         if dropped:
@@ -231,7 +219,7 @@ class DiskWorkerIO:
     def num_jobs_in_flight(self) -> int:
         return self._jobs_in_flight
 
-    def take_counter_deltas(self) -> dict[str, float]:
+    def take_counter_deltas(self) -> dict[str, int]:
         """The counters' changes since the previous call (non-zero ones only), for the worker's report."""
         with self._lock:
             now = self.counters.snapshot()

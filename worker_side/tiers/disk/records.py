@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from offload_connector.disk.format import ALIGN, HEADER_BYTES, align_up
+from worker_side.backends.cpu import run_segments
+from worker_side.copy_plan import Segments
 
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -36,6 +38,20 @@ class PoolSegments:
         self.bytes_per_block = sum(len(offsets) * size for _, _, offsets, size in self._planes)
         self.direct_ok = all(region.ctypes.data % ALIGN == 0 and stride % ALIGN == 0 and size % ALIGN == 0
                              and all(o % ALIGN == 0 for o in offsets) for region, stride, offsets, size in self._planes)
+        # per segment of a block, in order: its address in block 0's row, the row stride, its size
+        self._seg_base = np.array([region.ctypes.data + o for region, _, offsets, _ in self._planes for o in offsets],
+                                  np.int64)
+        self._seg_stride = np.array([stride for _, stride, offsets, _ in self._planes for _ in offsets], np.int64)
+        self._seg_bytes = np.array([size for _, _, offsets, size in self._planes for _ in offsets], np.int64)
+        self._seg_at = np.concatenate([[0], np.cumsum(self._seg_bytes)[:-1]]).astype(np.int64)
+
+    def gather(self, cpu_block_ids: Sequence[int], dst_addresses: Sequence[int]) -> None:
+        """Copy each block's bytes (host-pool order) to `dst_addresses[i]` (`bytes_per_block` each), in one
+        batched copy with the GIL released (the CPU backend's `run_segments`)."""
+        ids = np.asarray(cpu_block_ids, np.int64)[:, None]
+        src = (self._seg_base[None, :] + ids * self._seg_stride[None, :]).ravel()
+        dst = (np.asarray(dst_addresses, np.int64)[:, None] + self._seg_at[None, :]).ravel()
+        run_segments(Segments(dst, src, np.tile(self._seg_bytes, len(cpu_block_ids))))
 
     @classmethod
     def from_pool(cls, pool) -> PoolSegments:  # noqa: ANN001 - a worker_side.host_pool.HostPool
@@ -48,14 +64,6 @@ class PoolSegments:
             out.extend(memoryview(region[base + o:base + o + size]) for o in offsets)
         return out
 
-    def snapshot(self, cpu_block_id: int) -> memoryview:
-        """A page-aligned copy of the block's bytes, padded with zeros to `ALIGN` (for write-back)."""
-        buf = mmap.mmap(-1, align_up(self.bytes_per_block))
-        pos = 0
-        for seg in self.segments(cpu_block_id):
-            buf[pos:pos + len(seg)] = seg
-            pos += len(seg)
-        return memoryview(buf)
 
 
 class _Scratch(threading.local):
