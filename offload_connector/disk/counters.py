@@ -18,6 +18,7 @@ class DiskCounters:
     read_failed_blocks: int = 0  # I/O errors or the tier stepped aside: a miss, the record kept
     written_blocks: int = 0
     written_bytes: int = 0
+    write_exists: int = 0  # writes skipped: this rank's record of the key was there already
     write_us: int = 0
     dropped_writes: int = 0  # not written: queue full, the tier stepped aside, or an I/O error
     errors: int = 0  # I/O errors (disk full, read-only, EIO ...)

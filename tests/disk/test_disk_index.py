@@ -1,5 +1,5 @@
-"""The disk tier's index: LRU order within a budget of records, reads pin, writes count before they are
-visible, deletions block rewrites until done. Scenario tests, then a state machine over every call."""
+"""The disk tier's index: LRU order within a budget of records, reads pin, a write counts once every rank
+finished it, deletions keep a key out until done. Scenario tests, then a state machine over every call."""
 
 from __future__ import annotations
 
@@ -15,39 +15,36 @@ from scheduler_side.tiers.disk.index import DiskIndex
 K = [key(i) for i in range(10)]
 
 
-def committed(index: DiskIndex, keys) -> None:  # noqa: ANN001
-    accepted, _ = index.begin_writes(keys)
-    for k in accepted:
-        index.end_write(k, ok=True)
-
-
-def test_a_write_is_visible_only_once_every_rank_finished():
-    index = DiskIndex(4)
-    # 1. begun: counted against the budget, not hit-able
-    assert index.begin_writes([K[1], K[2]]) == ([K[1], K[2]], [])
-    assert index.hit_run([K[1], K[2]]) == 0 and index.num_used == 2
-    # 2. one ends well, one fails: the failed one is being deleted, not hit-able, not writable yet
-    index.end_write(K[1], ok=True)
-    index.end_write(K[2], ok=False)
-    assert index.hit_run([K[1], K[2]]) == 1
-    assert index.begin_writes([K[2]]) == ([], [])
-    index.end_delete([K[2]])
-    assert index.begin_writes([K[2]]) == ([K[2]], [])
-    index.check_integrity()
+def committed(index: DiskIndex, keys) -> list[bytes]:  # noqa: ANN001
+    evicted = []
+    for k in keys:
+        evicted += index.commit(k)[1]
+    return evicted
 
 
 def test_eviction_takes_the_least_recently_used_and_skips_pinned():
     index = DiskIndex(3)
-    committed(index, K[1:4])
+    assert committed(index, K[1:4]) == []
     index.touch(K[1])  # order now 2, 3, 1
     index.pin([K[2]])  # being read
-    accepted, evicted = index.begin_writes([K[4], K[5]])
-    assert accepted == [K[4], K[5]] and evicted == [K[3], K[1]]
-    # 2 is pinned and 4, 5 are being written: no room for 6 this time
-    assert index.begin_writes([K[6]]) == ([], [])
-    index.unpin([K[2]])
-    assert index.begin_writes([K[6]]) == ([K[6]], [K[2]])
+    assert committed(index, [K[4], K[5]]) == [K[3], K[1]]
+    assert index.hit_run([K[2], K[4], K[5], K[6]]) == 3
+    # 2. every other record being read: a new one has no room and is evicted at once
+    index.pin([K[4], K[5]])
+    assert index.commit(K[6]) == (False, [K[6]])
     index.check_integrity()
+    index.unpin([K[2]])
+    assert committed(index, [K[7]]) == [K[2]]
+    index.check_integrity()
+
+
+def test_a_write_that_ends_while_its_key_is_being_deleted_is_not_committed():
+    index = DiskIndex(1)
+    committed(index, [K[1]])
+    assert committed(index, [K[2]]) == [K[1]]  # 1 is being deleted
+    assert index.commit(K[1]) == (False, [])  # its new record may be removed by that deletion
+    index.end_delete([K[1]])
+    assert index.commit(K[1]) == (True, [K[2]])
 
 
 def test_a_dropped_key_stays_gone_after_its_read_ends():
@@ -64,9 +61,8 @@ def test_a_dropped_key_stays_gone_after_its_read_ends():
 def test_found_records_are_older_than_new_writes_and_fit_the_budget():
     index = DiskIndex(3)
     committed(index, [K[9]])  # written since the start
-    evicted = index.add_found([K[1], K[2], K[3]])  # the scan: oldest first
-    assert evicted == [K[1]]
-    assert index.begin_writes([K[4]]) == ([K[4]], [K[2]])  # the oldest found record goes first
+    assert index.add_found([K[1], K[2], K[3]]) == [K[1]]
+    assert committed(index, [K[4]]) == [K[2]]  # the oldest found record goes first
     index.check_integrity()
 
 
@@ -74,26 +70,15 @@ class IndexMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.index = DiskIndex(4)
-        self.writing: set[bytes] = set()
         self.pins: list[bytes] = []
         self.deleting: set[bytes] = set()
 
-    @rule(keys=st.lists(st.sampled_from(K), max_size=4))
-    def write(self, keys):
-        accepted, evicted = self.index.begin_writes(keys)
-        self.writing.update(accepted)
+    @rule(k=st.sampled_from(K))
+    def commit(self, k):
+        was_deleting = k in self.deleting
+        ok, evicted = self.index.commit(k)
+        assert (k in self.index) == ok and not (was_deleting and ok)
         self.deleting.update(evicted)
-
-    @rule(data=st.data(), ok=st.booleans())
-    def end_write(self, data, ok):
-        if self.writing:
-            k = data.draw(st.sampled_from(sorted(self.writing)))
-            self.writing.discard(k)
-            self.index.end_write(k, ok)
-            if not ok:
-                self.deleting.add(k)
-            else:
-                assert k in self.index
 
     @rule(k=st.sampled_from(K))
     def pin(self, k):
@@ -123,7 +108,8 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self):
         self.index.check_integrity()
-        assert not any(k in self.index for k in self.writing | self.deleting)
+        assert not any(k in self.index for k in self.deleting)
+        assert self.index.num_committed <= max(4, len(set(self.pins)))
 
 
 TestIndexMachine = IndexMachine.TestCase

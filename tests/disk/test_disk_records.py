@@ -172,3 +172,12 @@ def test_writes_beyond_the_inflight_bound_are_dropped(tmp_path, pool):
     result = run(io, "write", 0, [1, 2, 3], [key(1), key(2), key(3)])
     assert len(result.failed_keys) == 2 and io.counters.dropped_writes == 2 and io.counters.written_blocks == 1
     io.close()
+
+
+def test_a_record_already_there_is_not_written_again(tmp_path, pool):
+    io, data = written(tmp_path, pool, n=1)
+    before = os.stat(record_path(io, key(1))).st_mtime_ns
+    assert run(io, "write", 1, [2], [key(1)]).failed_keys == []
+    assert io.counters.write_exists == 1 and io.counters.written_blocks == 1
+    assert os.stat(record_path(io, key(1))).st_mtime_ns == before
+    io.close()

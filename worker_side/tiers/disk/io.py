@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from offload_connector.disk.config import DiskConfig
 from offload_connector.disk.counters import DiskCounters
 from offload_connector.disk.directory import open_rank_dir
-from offload_connector.disk.format import Verifier, rank_dir_name, record_name
+from offload_connector.disk.format import Verifier, rank_dir_name, record_bytes, record_name
 from offload_connector.remote.breaker import CircuitBreaker
 from worker_side.tiers.disk.records import PoolSegments, read_record, write_record
 from worker_side.tiers.disk.snapshots import Snapshots
@@ -60,6 +60,7 @@ class DiskWorkerIO:
         self._dir_fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.verifier = Verifier(fingerprint, auth_key)
         self.payload_bytes = rows.bytes_per_block
+        self.record_bytes = record_bytes(self.payload_bytes)
         self.direct = bool(disk.direct_io and rows.direct_ok)
         if disk.direct_io and not self.direct:
             logger.info("disk tier: the host pool's rows are not 4096-byte aligned; buffered I/O, not O_DIRECT")
@@ -134,6 +135,12 @@ class DiskWorkerIO:
 
     def _write_one(self, job: _Job, slot: int | None, key: bytes) -> None:
         fail = job.result.failed_keys
+        name = record_name(key)
+        if slot is not None and self._exists(name):
+            self._snapshots.give(slot)
+            with self._lock:
+                self.counters.write_exists += 1
+            return
         if slot is None or not self.write_breaker.allow():
             with self._lock:
                 self.counters.dropped_writes += 1
@@ -143,7 +150,6 @@ class DiskWorkerIO:
             return
         start = time.perf_counter()
         copy = self._snapshots.view(slot)
-        name = record_name(key)
         try:
             header = self.verifier.seal(key, [copy[:self.payload_bytes]], self.payload_bytes)
             write_record(self._dir_fd, name, f"{name}.{os.getpid()}.{threading.get_ident():x}.tmp", header,
@@ -161,6 +167,14 @@ class DiskWorkerIO:
             self.counters.written_blocks += 1
             self.counters.written_bytes += self.payload_bytes
             self.counters.write_us += int((time.perf_counter() - start) * 1e6)
+
+    def _exists(self, name: str) -> bool:
+        """This rank's record `name` is there already, whole and ours (its content is checked on read)."""
+        try:
+            st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return st.st_size == self.record_bytes and st.st_uid == os.geteuid()
 
     def _read_one(self, job: _Job, cpu_block_id: int, key: bytes) -> None:
         result, counters = job.result, self.counters
