@@ -37,12 +37,12 @@ import numpy as np
 from offload_connector.disk.config import DiskConfig
 from offload_connector.disk.directory import open_private_dir
 from offload_connector.disk.format import Sealer, Verifier, rank_fingerprint, record_name
-from offload_connector.remote.format import RemoteIdentity
+from offload_connector.tier_identity import TierIdentity
 from scheduler_side.tiers.disk.files import scan_rank_dirs
 from worker_side.tiers.disk.io import DiskWorkerIO
 from worker_side.tiers.disk.records import PoolSegments
 
-IDENTITY = RemoteIdentity(model="bench", block_size=16, hash_algo="xxh3_128", layout="64 planes")
+IDENTITY = TierIdentity(model="bench", block_size=16, hash_algo="xxh3_128", layout="64 planes")
 PLANES = 64
 
 

@@ -9,15 +9,15 @@ import torch
 from offload_connector.disk.config import DiskConfig
 from offload_connector.disk.directory import open_private_dir
 from offload_connector.disk.format import Verifier, rank_dir_name, rank_fingerprint, record_name
-from offload_connector.remote.format import RemoteIdentity
+from offload_connector.tier_identity import TierIdentity
 from worker_side.block_layout import tensor_block_view
 from worker_side.host_pool import HostPool
 from worker_side.tiers.disk.io import DiskWorkerIO
 from worker_side.tiers.disk.records import PoolSegments
 
-IDENTITY = RemoteIdentity(model="test/model", dtype="float16", kv_cache_dtype="float16", block_size=16,
+IDENTITY = TierIdentity(model="test/model", dtype="float16", kv_cache_dtype="float16", block_size=16,
                           hash_algo="xxh3_128", layout="two layers, kv first")
-OTHER_MODEL = RemoteIdentity(model="test/other-model", dtype="float16", kv_cache_dtype="float16", block_size=16,
+OTHER_MODEL = TierIdentity(model="test/other-model", dtype="float16", kv_cache_dtype="float16", block_size=16,
                              hash_algo="xxh3_128", layout="two layers, kv first")
 
 
@@ -55,7 +55,7 @@ def disk_config(path, **kw) -> DiskConfig:  # noqa: ANN001
                       **kw)
 
 
-def make_io(path, pool: HostPool, identity: RemoteIdentity = IDENTITY, rank: int = 0, world_size: int = 1,
+def make_io(path, pool: HostPool, identity: TierIdentity = IDENTITY, rank: int = 0, world_size: int = 1,
             auth_key: bytes | None = None, **kw) -> DiskWorkerIO:  # noqa: ANN001
     cfg = disk_config(path, **kw)
     root = open_private_dir(cfg.path)
@@ -66,11 +66,11 @@ def record_path(io: DiskWorkerIO, cache_key: bytes) -> str:
     return os.path.join(io.dir, record_name(cache_key))
 
 
-def rank_dir(root, identity: RemoteIdentity = IDENTITY, rank: int = 0, world_size: int = 1) -> str:  # noqa: ANN001
+def rank_dir(root, identity: TierIdentity = IDENTITY, rank: int = 0, world_size: int = 1) -> str:  # noqa: ANN001
     return os.path.join(str(root), rank_dir_name(rank_fingerprint(identity, rank, world_size)))
 
 
-def verifier(identity: RemoteIdentity = IDENTITY, rank: int = 0, world_size: int = 1,
+def verifier(identity: TierIdentity = IDENTITY, rank: int = 0, world_size: int = 1,
              auth_key: bytes | None = None) -> Verifier:
     return Verifier(rank_fingerprint(identity, rank, world_size), auth_key)
 

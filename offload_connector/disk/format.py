@@ -1,7 +1,7 @@
 """Records of the disk tier: one file per block per tensor-parallel rank (shared by both sides; no torch).
 
 Where: `<disk.path>/<rank fingerprint hex>/<cache key hex>.kv`. The rank fingerprint (16 bytes) is
-xxh3-128 of the model fingerprint, the layout fingerprint (`RemoteIdentity`: model, revision, dtypes,
+xxh3-128 of the model fingerprint, the layout fingerprint (`TierIdentity`: model, revision, dtypes,
 block size, hash algorithm and seed, per-rank layout) and `tp<rank>of<size>`: another model, layout or
 rank never even looks in this directory, and a record copied into it still fails the header check.
 
@@ -29,7 +29,7 @@ from collections.abc import Iterable
 
 import xxhash
 
-from offload_connector.remote.format import RemoteIdentity
+from offload_connector.tier_identity import TierIdentity
 
 MAGIC = b"OCDK"
 VERSION = 1
@@ -52,7 +52,7 @@ def record_bytes(payload_bytes: int) -> int:
     return HEADER_BYTES + align_up(payload_bytes)
 
 
-def rank_fingerprint(identity: RemoteIdentity, rank: int, world_size: int) -> bytes:
+def rank_fingerprint(identity: TierIdentity, rank: int, world_size: int) -> bytes:
     """16 bytes naming the model, the per-rank layout and the rank: records are shared only within it."""
     text = f"{identity.model_fingerprint()}:{identity.layout_fingerprint()}:tp{rank}of{world_size}"
     return xxhash.xxh3_128_digest(text.encode())
