@@ -23,6 +23,7 @@ class DiskCounters:
     dropped_writes: int = 0  # not written: queue full, the tier stepped aside, or an I/O error
     errors: int = 0  # I/O errors (disk full, read-only, EIO ...)
     breaker_trips: int = 0
+    record_bytes: int = 0  # bytes one block's record takes on this rank (set once: its delta is reported once)
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)
@@ -36,6 +37,7 @@ class DiskIndexCounters:
     scanned_blocks: int = 0  # complete records found by the start-up scan
     scan_refused_files: int = 0  # files the scan deleted (bad header) or skipped (not ours)
     scan_us: int = 0
+    lookups_skipped: int = 0  # CPU misses with blocks on disk not read: max_waiting_requests reached
 
     def snapshot(self) -> dict[str, int]:
         return asdict(self)

@@ -109,9 +109,9 @@ class Sealer:
 class Verifier(Sealer):
     """Checks records against what the reader expects; every refusal says why."""
 
-    def check_header(self, header: bytes | memoryview, key: bytes | None, payload_bytes: int) -> str:
-        """'' when the header is one of ours for `key` (any key when None) and `payload_bytes`, else why not.
-        Cheap (no payload): the index scan uses it; reads add `check_payload`."""
+    def check_header(self, header: bytes | memoryview, key: bytes | None, payload_bytes: int | None) -> str:
+        """'' when the header is one of ours for `key` (any key when None) and `payload_bytes` (any length
+        when None), else why not. Cheap (no payload): the index scan uses it; reads add `check_payload`."""
         if len(header) < _FIXED.size + _CHECK.size:
             return "shorter than a header"
         magic, version, flags, length, fingerprint, key_len = _FIXED.unpack_from(header)
@@ -119,7 +119,7 @@ class Verifier(Sealer):
             return "bad magic or version"
         if fingerprint != self.fingerprint:
             return "foreign: another model, layout or rank (fingerprint)"
-        if length != payload_bytes:
+        if payload_bytes is not None and length != payload_bytes:
             return f"payload length {length} instead of {payload_bytes}"
         if key_len > MAX_KEY_BYTES:
             return f"key length {key_len}"
@@ -130,9 +130,9 @@ class Verifier(Sealer):
             return "foreign: signed with a key" if flags & KEYED else "foreign: not signed (an auth key is set)"
         return ""
 
-    def header_key(self, header: bytes | memoryview) -> bytes:
-        key_len = _FIXED.unpack_from(header)[5]
-        return bytes(header[_KEY_AT:_KEY_AT + key_len])
+    @staticmethod
+    def payload_length(header: bytes | memoryview) -> int:
+        return _FIXED.unpack_from(header)[3]
 
     def check_payload(self, header: bytes | memoryview, segments: list) -> str:
         """'' when the checksum (and mac, when keyed) over the header and `segments` match; else why not.

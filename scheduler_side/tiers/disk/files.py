@@ -42,6 +42,7 @@ UNLINK_THREADS = 4  # unlinking a record written with O_DIRECT took ~5 ms on ext
 @dataclass(slots=True)
 class ScanResult:
     keys: list[bytes] = field(default_factory=list)  # complete on every rank, oldest first
+    payload_bytes: int | None = None  # one rank's block bytes, as the records say (None: no record)
     files_seen: int = 0
     refused_files: int = 0  # deleted (ours, before the start) or skipped (not ours)
     seconds: float = 0.0
@@ -58,11 +59,13 @@ def _unlink(dir_fd: int, name: str) -> None:
         pass
 
 
-def scan_rank_dirs(rank_dirs: Sequence[str], verifiers: Sequence[Verifier], payload_bytes: int,
+def scan_rank_dirs(rank_dirs: Sequence[str], verifiers: Sequence[Verifier], payload_bytes: int | None,
                    before: float) -> ScanResult:
+    """`payload_bytes`: one rank's block bytes, or None when the caller does not know them (the scheduler):
+    then the first valid record says, and records of another length are refused."""
     start = time.perf_counter()
-    result = ScanResult()
-    size, uid = record_bytes(payload_bytes), os.geteuid()
+    result = ScanResult(payload_bytes=payload_bytes)
+    uid = os.geteuid()
     found: dict[bytes, list] = {}  # key -> [ranks seen, newest mtime]
     for verifier, path in zip(verifiers, rank_dirs, strict=True):
         try:
@@ -73,7 +76,7 @@ def scan_rank_dirs(rank_dirs: Sequence[str], verifiers: Sequence[Verifier], payl
             with os.scandir(dir_fd) as entries:
                 for entry in entries:
                     result.files_seen += 1
-                    why, mtime, key = _check_file(dir_fd, entry.name, verifier, payload_bytes, size, uid)
+                    why, mtime, key = _check_file(dir_fd, entry.name, verifier, result, uid)
                     if why:
                         result.refused_files += 1
                         if why != "not ours" and mtime < before:
@@ -98,9 +101,9 @@ def scan_rank_dirs(rank_dirs: Sequence[str], verifiers: Sequence[Verifier], payl
     return result
 
 
-def _check_file(dir_fd: int, name: str, verifier: Verifier, payload_bytes: int, size: int,
+def _check_file(dir_fd: int, name: str, verifier: Verifier, result: ScanResult,
                 uid: int) -> tuple[str, float, bytes | None]:
-    """(why refused or "", mtime, key when a record from before may be indexed)."""
+    """(why refused or "", mtime, key when a record may be indexed); learns `result.payload_bytes`."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     except OSError:
@@ -114,10 +117,15 @@ def _check_file(dir_fd: int, name: str, verifier: Verifier, payload_bytes: int, 
         key = key_of_name(name)
         if key is None:
             return "not a record name", st.st_mtime, None
-        if st.st_size != size:
+        header = os.pread(fd, min(_HEADER_READ, HEADER_BYTES), 0)
+        why = verifier.check_header(header, key, result.payload_bytes)
+        if why:
+            return why, st.st_mtime, None
+        length = verifier.payload_length(header)
+        if st.st_size != record_bytes(length):
             return "wrong size", st.st_mtime, None
-        why = verifier.check_header(os.pread(fd, min(_HEADER_READ, HEADER_BYTES), 0), key, payload_bytes)
-        return why, st.st_mtime, key
+        result.payload_bytes = length
+        return "", st.st_mtime, key
     finally:
         os.close(fd)
 
@@ -125,7 +133,7 @@ def _check_file(dir_fd: int, name: str, verifier: Verifier, payload_bytes: int, 
 class FileWorker:
     """One daemon thread: the start-up scan first, then deletions in order."""
 
-    def __init__(self, rank_dirs: Sequence[str], verifiers: Sequence[Verifier], payload_bytes: int) -> None:
+    def __init__(self, rank_dirs: Sequence[str], verifiers: Sequence[Verifier], payload_bytes: int | None) -> None:
         self.rank_dirs = list(rank_dirs)
         self._verifiers, self._payload_bytes = list(verifiers), payload_bytes
         self._before = time.time()

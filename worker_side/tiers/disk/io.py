@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 class DiskJobResult:
     event_id: int
     kind: str  # "read" or "write"
+    keys: list[bytes] = field(default_factory=list)  # every block of the job
     failed_keys: list[bytes] = field(default_factory=list)  # blocks not moved (read: a miss)
     dropped_keys: list[bytes] = field(default_factory=list)  # read: records refused and deleted
 
@@ -64,26 +65,27 @@ class DiskWorkerIO:
         self.direct = bool(disk.direct_io and rows.direct_ok)
         if disk.direct_io and not self.direct:
             logger.info("disk tier: the host pool's rows are not 4096-byte aligned; buffered I/O, not O_DIRECT")
-        self.counters = DiskCounters()
+        self.counters = DiskCounters(record_bytes=self.record_bytes)
         backoff, most = disk.breaker_backoff_ms / 1000, disk.breaker_max_backoff_ms / 1000
         self.write_breaker, self.read_breaker = CircuitBreaker(backoff, most), CircuitBreaker(backoff, most)
         self._pool = ThreadPoolExecutor(disk.io_threads, thread_name_prefix="disk-io")
         self._lock = threading.Condition()
         self._results: list[DiskJobResult] = []
         self._jobs_in_flight = 0
+        self._reads_in_flight = 0
         self._snapshots = Snapshots(rows.bytes_per_block, disk.max_inflight_bytes)
         self._reported: dict[str, int] = {}
         self._closed = False
 
     # ---- submitting ----------------------------------------------------------------------------------
     def submit_read(self, event_id: int, cpu_block_ids: Sequence[int], cache_keys: Sequence[bytes]) -> None:
-        self._submit(_Job(DiskJobResult(event_id, "read"), len(cpu_block_ids)), cpu_block_ids, cache_keys,
+        self._submit(_Job(DiskJobResult(event_id, "read", list(cache_keys)), len(cpu_block_ids)), cpu_block_ids, cache_keys,
                      self._read_one)
 
     def submit_write(self, event_id: int, cpu_block_ids: Sequence[int], cache_keys: Sequence[bytes]) -> None:
         """Copy these blocks' rows now (the caller may reuse them once this returns), write them later.
         Blocks beyond `max_inflight_bytes` of copies waiting, or all while writes step aside, are dropped."""
-        job = _Job(DiskJobResult(event_id, "write"), len(cpu_block_ids))
+        job = _Job(DiskJobResult(event_id, "write", list(cache_keys)), len(cpu_block_ids))
         slots = [] if self.write_breaker.state == "open" else self._snapshots.take(len(cpu_block_ids))
         if slots:
             self.rows.gather(cpu_block_ids[:len(slots)], [self._snapshots.address(s) for s in slots])
@@ -97,6 +99,7 @@ class DiskWorkerIO:
             if self._closed:
                 raise RuntimeError("disk tier I/O used after close (our bug)")
             self._jobs_in_flight += 1
+            self._reads_in_flight += job.result.kind == "read"
         if not sources:
             self._finish(job)
             return
@@ -120,6 +123,7 @@ class DiskWorkerIO:
         with self._lock:
             self._results.append(job.result)
             self._jobs_in_flight -= 1
+            self._reads_in_flight -= job.result.kind == "read"
             self._lock.notify_all()
 
     # ---- one block -----------------------------------------------------------------------------------
@@ -232,6 +236,10 @@ class DiskWorkerIO:
     @property
     def num_jobs_in_flight(self) -> int:
         return self._jobs_in_flight
+
+    @property
+    def num_reads_in_flight(self) -> int:
+        return self._reads_in_flight
 
     def take_counter_deltas(self) -> dict[str, int]:
         """The counters' changes since the previous call (non-zero ones only), for the worker's report."""
