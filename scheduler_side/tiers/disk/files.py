@@ -141,6 +141,7 @@ class FileWorker:
         self._lock = threading.Lock()
         self._scan: ScanResult | None = None
         self._scan_taken = False
+        self._scan_ready = threading.Event()
         self._deleted: list[bytes] = []
         self._thread = threading.Thread(target=self._loop, name="disk-files", daemon=True)
         self._thread.start()
@@ -158,6 +159,10 @@ class FileWorker:
             deleted, self._deleted = self._deleted, []
         return scan, deleted
 
+    def wait_scan(self, timeout: float | None = None) -> bool:
+        """Block until the scan's result is ready (for `poll`); False on timeout."""
+        return self._scan_ready.wait(timeout)
+
     @property
     def scan_done(self) -> bool:
         return self._scan_taken
@@ -170,6 +175,7 @@ class FileWorker:
             scan = ScanResult()
         with self._lock:
             self._scan = scan
+        self._scan_ready.set()
         with ThreadPoolExecutor(UNLINK_THREADS, thread_name_prefix="disk-unlink") as unlinkers:
             while True:
                 keys = self._jobs.get()

@@ -132,6 +132,14 @@ class DiskTier(LowerTier):
             logger.info("disk tier: %d blocks found in %s in %.2f s (%.0f blocks/s)", len(scan.keys),
                         self.disk.path, scan.seconds, scan.blocks_per_second)
 
+    def wait_scan(self, timeout: float | None = None) -> bool:
+        """Block until the start-up scan is done and its records are in the index (replays and tests that
+        want the same result every run; an engine never waits: older blocks miss until the scan is done)."""
+        if not self.files.wait_scan(timeout):
+            return False
+        self._poll_files()
+        return True
+
     def counter_values(self) -> tuple[int, ...]:
         mine, theirs = self.counters.snapshot(), self.worker_counters
         return tuple(mine.get(k, 0) + theirs.get(k, 0) for k in DISK_COUNTERS)
