@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 
+import pytest
 import torch
 
 from offload_connector.disk.config import DiskConfig
@@ -84,3 +87,15 @@ def run(io: DiskWorkerIO, kind: str, event: int, cpu_ids: list[int], keys: list[
     if len(results) != 1 or results[0].event_id != event:
         raise AssertionError(f"expected one result for event {event}, got {results}")
     return results[0]
+
+
+@contextlib.contextmanager
+def mounted(*args: str):
+    """Run `mount args...`; skip the test when this process may not mount (root with CAP_SYS_ADMIN)."""
+    target = args[-1]
+    if os.geteuid() != 0 or subprocess.run(["mount", *args], capture_output=True).returncode != 0:
+        pytest.skip("mounting needs root with CAP_SYS_ADMIN")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", target], check=True)

@@ -78,7 +78,8 @@ class DirectoryLock:
 
     def __init__(self, root: str, shown: str) -> None:
         path = os.path.join(root, LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        # held on a read-only descriptor: no file stays open for writing (a filesystem can go read-only)
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -88,8 +89,11 @@ class DirectoryLock:
                 raise DiskDirError("disk.path", shown, "a directory no other running engine uses",
                                    f"held by the engine in process {holder}; give each engine its own") from None
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        writer = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            os.write(writer, f"{os.getpid()}\n".encode())
+        finally:
+            os.close(writer)
         self._fd: int | None = fd
 
     def release(self) -> None:

@@ -8,7 +8,6 @@ without a device mapper produces it, and it takes the same path as the two (an O
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import resource
@@ -17,22 +16,10 @@ import subprocess
 import time
 
 import pytest
-from disk_helpers import block, fill, key, make_io, make_pool, run
+from disk_helpers import block, fill, key, make_io, make_pool, mounted, run
 
 from offload_connector.disk.directory import DiskDirError, open_private_dir
 from offload_connector.disk.format import record_bytes
-
-
-@contextlib.contextmanager
-def mounted(*args: str):
-    """Run `mount args...`; skip the test when this process may not mount."""
-    target = args[-1]
-    if os.geteuid() != 0 or subprocess.run(["mount", *args], capture_output=True).returncode != 0:
-        pytest.skip("mounting needs root with CAP_SYS_ADMIN")
-    try:
-        yield
-    finally:
-        subprocess.run(["umount", target], check=True)
 
 
 def wait_breaker_allows(io, what: str) -> None:  # noqa: ANN001
