@@ -168,7 +168,7 @@ def _run_replay(config: OffloadConfig, requests: list[TraceRequest], scaled: boo
     # sync_stores: deterministic, stores land before the next step; outputs are not kept (only counted)
     with FakeEngine(config, sync_stores=True, keep_outputs=False) as engine:
         disk = engine.connector.tiers.get("disk") if engine.connector is not None else None
-        if isinstance(disk, DiskTier):  # the same result every run: the warm records are indexed before request 1
+        if isinstance(disk, DiskTier):  # a warm run: the records found are indexed before request 1
             disk.wait_scan()
         max_queued = 2 * eng.max_num_seqs
         next_index = 0

@@ -15,7 +15,8 @@ Writes (`write: on_store`: every stored block; `on_cpu_evict`: each block the CP
 index lacks) hold nothing; a key is committed to the index once every rank reported it written, evicting
 least recently used records (deleted by the file thread, files.py). The start-up scan (files.py) runs on
 that thread too; its records join the index, as the oldest, once it is done.
-Holds: one reference on each CPU block of an outstanding read event, released at its completion; the
+Holds: one reference on each CPU block of an outstanding read event, released at its completion; one on
+each CPU hit before a waiting request's run, released when it stops waiting (or is forgotten); the
 directory's lock (directory.py) until `close`. Per step O(1) per waiting request plus O(blocks) moved.
 """
 
@@ -47,9 +48,15 @@ UNKNOWN_CAPACITY = 1 << 62  # until the first record's size is known (scan or re
 
 @dataclass(slots=True)
 class DiskWait:
+    """A request's one look at the disk tier: queued for room, then reading its run, then done."""
+
     deadline: float  # time.monotonic() after which the request stops waiting
-    read_event: int
-    done: bool = False
+    first: int  # the request's block index of its first CPU miss: the run starts there ...
+    last: int  # ... and ends before this one (the lookup keeps one token to compute)
+    read_event: int | None = None  # None: queued (the reads in flight fill the share of the CPU pool)
+    num_blocks: int = 0  # blocks of its read, counted in `_reading_blocks` until the wait ends
+    own: list[Block] = field(default_factory=list)  # its CPU hits before the run: one reference each, held
+    done: bool = False  # ... until the wait ends, so the run read from disk still follows a cached prefix
 
 
 @dataclass(slots=True)
@@ -86,6 +93,8 @@ class DiskTier(LowerTier):
         self._written_ranks: dict[bytes, set[int]] = {}  # keys some ranks wrote (bounded, oldest dropped)
         self._max_written_pending = 4 * self.cpu_pool.num_blocks
         self._written: list[bytes] = []  # committed since take_written
+        self._reading_blocks = 0  # blocks of waits with a read issued, until each wait ends
+        self._max_reading_blocks = max(1, (self.cpu_pool.num_blocks - 1) // 4)
         self.enabled = True
         self.wants_cpu_evictions = disk.write == "on_cpu_evict"
 
@@ -154,53 +163,93 @@ class DiskTier(LowerTier):
     def start(self, state: RequestState, hashes: Sequence[bytes], first: int, last: int) -> bool:
         if state.request_id in self._waits or first >= last or not self.enabled:
             return False
-        pool, group, index = self.cpu_pool, self.group_id, self.index
-        keys = []
-        for h in hashes[first:last]:
-            key = with_group_id(h, group)
-            if key not in index or key in pool.cached or key in pool.reserved:
-                break
-            keys.append(key)
-        if not keys:
+        if not self._run(state, first, last):
             return False
         if len(self._waiting) >= self.disk.max_waiting_requests:
             self.counters.lookups_skipped += 1
             return False
-        # the request's own CPU hits before the run stay pinned while the run's blocks are allocated
-        own = [b for b in (pool.cached.get(with_group_id(h, group)) for h in hashes[:first]) if b]
+        wait = self._waits[state.request_id] = DiskWait(self.clock() + self.disk.timeout_ms / 1000, first, last)
+        self._waiting.add(state.request_id)
+        if not self._issue(state, wait) and wait.read_event is None and self._reading_blocks == 0:
+            self._stop(state.request_id, wait)  # nothing left to read
+            return False
+        return True
+
+    def _run(self, state: RequestState, first: int, last: int) -> list[bytes]:
+        """Keys of the request's blocks first.. that the index holds, up to the first the CPU tier has or
+        receives, and at most `last` - `first` (the lookup keeps one token to compute)."""
+        pool, index, group = self.cpu_pool, self.index, self.group_id
+        keys = []
+        for h in state.request.block_hashes[first:last]:
+            key = with_group_id(h, group)
+            if key not in index or key in pool.cached or key in pool.reserved:
+                break
+            keys.append(key)
+        return keys
+
+    def _issue(self, state: RequestState, wait: DiskWait) -> bool:
+        """Start the request's read when the reads in flight (or not yet looked up) leave room: at most a
+        quarter of the CPU pool, so concurrent reads never evict each other's blocks before their requests
+        take them. False: not issued (no room, or nothing left to read)."""
+        room = self._max_reading_blocks - self._reading_blocks
+        if room <= 0:
+            return False
+        keys = self._run(state, wait.first, wait.last)[:room]
+        if not keys:
+            return False
+        pool, group = self.cpu_pool, self.group_id
+        # the request's own CPU hits before the run stay pinned while it waits: evicted meanwhile, the run
+        # read from disk would follow a gap and never be hit
+        own = [b for b in (pool.cached.get(with_group_id(h, group)) for h in state.request.block_hashes[:wait.first])
+               if b]
         pool.touch(own)
         blocks = self.context.allocate_cpu(len(keys))
-        pool.free(own)
         if not blocks:
+            pool.free(own)
             return False
         keys = keys[:len(blocks)]
         pool.reserve(blocks, keys)
-        index.pin(keys)
+        self.index.pin(keys)
         event = self._to_send
         if event is None:
             event = self._to_send = ReadEvent(self._next_event)
             self._next_event += 1
         event.cpu_blocks.extend(blocks)
         event.keys.extend(keys)
-        self._waits[state.request_id] = DiskWait(self.clock() + self.disk.timeout_ms / 1000, event.event_id)
-        self._waiting.add(state.request_id)
+        wait.read_event, wait.num_blocks, wait.own = event.event_id, len(blocks), own
+        self._reading_blocks += len(blocks)
         return True
 
     def waiting(self, state: RequestState) -> bool:
         wait = self._waits.get(state.request_id)
         if wait is None or wait.done:
             return False
-        in_flight = wait.read_event in self._events or (self._to_send is not None
-                                                        and self._to_send.event_id == wait.read_event)
-        if in_flight and self.clock() < wait.deadline:
+        if self.clock() >= wait.deadline:
+            self._stop(state.request_id, wait)
+            return False
+        if wait.read_event is None:
+            if self._issue(state, wait) or self._reading_blocks > 0:
+                return True  # reading now, or queued for room
+            self._stop(state.request_id, wait)
+            return False
+        if wait.read_event in self._events or (self._to_send is not None
+                                               and self._to_send.event_id == wait.read_event):
             return True
-        wait.done = True
-        self._waiting.discard(state.request_id)
+        self._stop(state.request_id, wait)
         return False
 
+    def _stop(self, request_id: str, wait: DiskWait) -> None:
+        if not wait.done:
+            wait.done = True
+            self.cpu_pool.free(wait.own)
+            wait.own = []
+            self._reading_blocks -= wait.num_blocks
+        self._waiting.discard(request_id)
+
     def forget(self, state: RequestState) -> None:
-        self._waits.pop(state.request_id, None)
-        self._waiting.discard(state.request_id)
+        wait = self._waits.pop(state.request_id, None)
+        if wait is not None:
+            self._stop(state.request_id, wait)
 
     # ---- the step ------------------------------------------------------------------------------------
     def writes_stored(self) -> bool:
@@ -316,8 +365,10 @@ class DiskTier(LowerTier):
 
     # ---- introspection -------------------------------------------------------------------------------
     def held_block_ids(self) -> set[int]:
+        """CPU blocks of read events in flight, and waiting requests' own CPU hits."""
         events = list(self._events.values()) + ([self._to_send] if self._to_send is not None else [])
-        return {b.block_id for e in events for b in e.cpu_blocks}
+        return {b.block_id for e in events for b in e.cpu_blocks} | {
+            b.block_id for rid in self._waiting for b in self._waits[rid].own}
 
     @property
     def num_events(self) -> int:
