@@ -89,7 +89,7 @@ class DiskTier(LowerTier):
         self._events: dict[int, ReadEvent] = {}
         self._to_send: ReadEvent | None = None
         self._next_event = 0
-        self._evicted: list[Block] = []
+        self._evicted: list[tuple[int, bytes]] = []  # write-back: (CPU block id, key) evicted this step
         self._written_ranks: dict[bytes, set[int]] = {}  # keys some ranks wrote (bounded, oldest dropped)
         self._max_written_pending = 4 * self.cpu_pool.num_blocks
         self._written: list[bytes] = []  # committed since take_written
@@ -256,8 +256,11 @@ class DiskTier(LowerTier):
         return self.enabled and self.disk.write == "on_store"
 
     def on_cpu_evict(self, block: Block) -> None:
-        if self.enabled and block.block_hash not in self.index:
-            self._evicted.append(block)
+        """Write-back: write the evicted block unless the disk holds it (its key taken now: the block is
+        reused at once; its bytes stay valid until this step's copies start)."""
+        key = block.block_hash
+        if self.enabled and key is not None and key not in self.index:
+            self._evicted.append((block.block_id, key))
 
     def emit(self, meta: TransferMetadata) -> None:
         self._poll_files()
@@ -267,8 +270,8 @@ class DiskTier(LowerTier):
             return
         ops = TierOps(tier=self.name, write_stored=stored)
         if self._evicted:
-            ops.write_cpu_blocks = [b.block_id for b in self._evicted]
-            ops.write_keys = [b.block_hash for b in self._evicted]
+            ops.write_cpu_blocks = [cpu_block_id for cpu_block_id, _ in self._evicted]
+            ops.write_keys = [key for _, key in self._evicted]
             self._evicted = []
         if event is not None:
             self._to_send = None
