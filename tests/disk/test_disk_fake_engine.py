@@ -168,6 +168,43 @@ def test_a_filesystem_turned_read_only_mid_run_still_serves_reads(tmp_path):
     assert c["lookup_hit_blocks"] > 0 and c["errors"] > 0 and c["breaker_trips"] >= 1
 
 
+@pytest.mark.parametrize(("tp", "write"), [(2, "on_store"), (1, "on_cpu_evict"), (2, "on_cpu_evict")])
+def test_tensor_parallel_and_write_back_restarts(tmp_path, tp, write):
+    """Each rank writes its own records; a block is on disk (a KV event, DISK) once every rank's is; with
+    write-back only what the CPU tier evicted is written. A restart with the same TP size hits them."""
+    path = tmp_path / "disk"
+    cpu_blocks = 48 if write == "on_store" else 24
+    with FakeEngine(disk_config(path, cpu_blocks, write=write), tp_size=tp) as a:
+        a.connector.emit_kv_events = True
+        run_workload(a, one_per_prefix("a", SHARED, 1))
+        if write == "on_cpu_evict":  # push A's prefixes out of its small CPU tier
+            run_workload(a, one_per_prefix("filler", prefixes(12, 8), 4))
+        clean(a)
+        c = counters(a)
+        events = [e for e in a.connector.take_events() if e.medium == "DISK"]
+    assert c["written_blocks"] == tp * c["records"] > 0 and len(events) == c["records"]
+    assert all(len(list(d.iterdir())) == c["records"] for d in path.iterdir() if d.is_dir())  # per rank
+    wl = one_per_prefix("b", SHARED, 2)
+    with FakeEngine(disk_config(path, write=write), tp_size=tp) as b:
+        assert b.connector.tiers["disk"].wait_scan(30)
+        run_workload(b, wl)
+        clean(b)
+        cb = counters(b)
+        assert b.outputs == reference_outputs(wl)
+    assert cb["scanned_blocks"] == c["records"] and cb["lookup_hit_blocks"] > 0
+    assert cb["read_blocks"] == tp * cb["lookup_hit_blocks"]
+
+
+def test_a_restart_with_another_tp_size_reads_nothing(tmp_path):
+    fill(tmp_path / "disk")
+    wl = one_per_prefix("b", SHARED, 2)
+    with FakeEngine(disk_config(tmp_path / "disk"), tp_size=2) as b:
+        assert b.connector.tiers["disk"].wait_scan(30)
+        run_workload(b, wl)
+        clean(b)
+        assert counters(b)["scanned_blocks"] == 0 and counters(b)["lookup_hit_blocks"] == 0
+
+
 ENGINE_A = """
 import sys
 from remote_helpers import one_per_prefix, prefixes
