@@ -69,6 +69,17 @@ def test_a_restarted_engine_serves_the_prefixes_from_disk(tmp_path):
     assert b["corrupt_blocks"] == b["foreign_blocks"] == 0
 
 
+def test_the_first_request_after_a_restart_hits(tmp_path):
+    """The scan is done before the first request, but no step has run yet: its first lookup takes it."""
+    fill(tmp_path / "disk")
+    wl = one_per_prefix("b", SHARED[:1], 2)  # one request
+    with FakeEngine(disk_config(tmp_path / "disk")) as b:
+        assert b.connector.tiers["disk"].files.wait_scan(30)  # ready, not applied
+        run_workload(b, wl)
+        clean(b)
+        assert counters(b)["lookup_hit_blocks"] > 0 and b.stats.cpu_hit_tokens > 0
+
+
 def test_without_the_disk_tier_b_hits_nothing(tmp_path):
     """The control for the test above: the same B with no disk tier computes what the disk served."""
     wl = one_per_prefix("b", SHARED, 2)

@@ -163,6 +163,8 @@ class DiskTier(LowerTier):
     def start(self, state: RequestState, hashes: Sequence[bytes], first: int, last: int) -> bool:
         if state.request_id in self._waits or first >= last or not self.enabled:
             return False
+        if not self.files.scan_done:  # the first lookups may come before the first emit: take the scan now
+            self._poll_files()
         if not self._run(state, first, last):
             return False
         if len(self._waiting) >= self.disk.max_waiting_requests:
