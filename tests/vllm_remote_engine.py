@@ -34,7 +34,7 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     kv, tier = None, "disk" if args.get("disk") else "remote"
     if args.get("url") or args.get("disk"):
-        section = ({"path": args["disk"], "bytes": "64MiB", "timeout_ms": 5000} if tier == "disk" else
+        section = ({"path": args["disk"], "bytes": "64MiB", "timeout_ms": 5000, "write": "on_store"} if tier == "disk" else
                    {"url": args["url"], "namespace": "e2e", "timeout_ms": 5000})
         kv = KVTransferConfig(
             kv_connector="OffloadConnector", kv_connector_module_path="offload_connector.vllm_connector",

@@ -24,9 +24,10 @@ MAX_AUTH_KEY_BYTES = 64  # BLAKE2b's key limit
 class DiskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     path: str  # the directory (created 0700 if missing); relative paths start at the working directory
     bytes: int | str = "16GiB"  # the tier's budget for this model's records, all ranks together
-    # on_store: every block stored to the CPU tier is written too (write-through); on_cpu_evict: a block
-    # is written when the CPU tier evicts it (write-back: copied out of the pool first)
-    write: Literal["on_store", "on_cpu_evict"] = "on_store"
+    # on_cpu_evict: a block is written when the CPU tier evicts it (write-back: CPU and disk hold different
+    # blocks); on_store: every block stored to the CPU tier is written too (write-through). The default by
+    # measurement: docs/benchmarks.md, "Disk tier"
+    write: Literal["on_store", "on_cpu_evict"] = "on_cpu_evict"
     auth_key_file: str | None = None  # a file of 16-64 secret bytes: every record carries a keyed BLAKE2b
     io_threads: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4  # per rank: reads and writes in parallel
     direct_io: bool = True  # O_DIRECT where the pool's rows are page aligned (docs/benchmarks.md, bench_disk)

@@ -12,7 +12,7 @@ from offload_connector.config import ConfigError, load_config
 def test_off_by_default_and_sizes_parsed():
     assert load_config({}).disk is None
     disk = load_config({"disk": {"path": "kv", "bytes": "2GiB", "max_inflight_bytes": "64MiB"}}).disk
-    assert (disk.path, disk.bytes, disk.max_inflight_bytes, disk.write) == ("kv", 2 << 30, 64 << 20, "on_store")
+    assert (disk.path, disk.bytes, disk.max_inflight_bytes, disk.write) == ("kv", 2 << 30, 64 << 20, "on_cpu_evict")
 
 
 def key_file(tmp_path, content: bytes, mode: int = 0o600) -> str:  # noqa: ANN001

@@ -27,8 +27,9 @@ TESTS = Path(__file__).resolve().parents[1]
 
 
 def disk_config(path, num_cpu_blocks: int = 48, engine: dict | None = None, **disk):  # noqa: ANN001, ANN201
+    """Write-through unless `write` says otherwise: A's CPU tier of 48 blocks never evicts its prefixes."""
     return small_config(num_gpu_blocks=32, num_cpu_blocks=num_cpu_blocks, engine=engine or {},
-                        disk={"path": str(path), "bytes": "64MiB", **disk})
+                        disk={"path": str(path), "bytes": "64MiB", "write": "on_store", **disk})
 
 
 def counters(engine: FakeEngine) -> dict[str, int]:
@@ -221,7 +222,8 @@ import sys
 from remote_helpers import one_per_prefix, prefixes
 from offload_connector.fake_engine import FakeEngine
 from offload_connector.fake_engine.workload import run_workload, small_config
-cfg = small_config(num_gpu_blocks=32, num_cpu_blocks=48, disk={"path": sys.argv[1], "bytes": "64MiB"})
+cfg = small_config(num_gpu_blocks=32, num_cpu_blocks=48, disk={"path": sys.argv[1], "bytes": "64MiB",
+                                                               "write": "on_store"})
 with FakeEngine(cfg) as a:
     for round in range(1000):
         run_workload(a, one_per_prefix(f"r{round}-", prefixes(round, 6), round))
