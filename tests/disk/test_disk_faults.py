@@ -61,6 +61,7 @@ def test_disk_full_on_a_tiny_tmpfs(tmp_path, caplog):
 def test_a_file_size_limit_is_a_dropped_write_and_no_leftover(tmp_path, caplog):
     """RLIMIT_FSIZE below one record: every write fails part way (EFBIG), as on a full disk."""
     pool = make_pool()
+    fds = len(os.listdir("/proc/self/fd"))
     io = make_io(tmp_path / "disk", pool, io_threads=2)
     fill(pool, 1, seed=1)
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
@@ -78,6 +79,8 @@ def test_a_file_size_limit_is_a_dropped_write_and_no_leftover(tmp_path, caplog):
     # reads of what is not there stay misses; the read side is untouched
     assert run(io, "read", 1, [4], [key(1)]).failed_keys == [key(1)] and io.read_breaker.state == "closed"
     io.close()
+    assert len(os.listdir("/proc/self/fd")) == fds  # no descriptor left open
+    assert io._snapshots.num_free == io._snapshots.num_slots  # every copy slot back
 
 
 def test_a_read_only_filesystem_still_serves_reads(tmp_path, caplog):
