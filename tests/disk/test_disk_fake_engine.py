@@ -81,6 +81,20 @@ def test_the_first_request_after_a_restart_hits(tmp_path):
         assert counters(b)["lookup_hit_blocks"] > 0 and b.stats.cpu_hit_tokens > 0
 
 
+def test_reset_cache_turns_the_tier_off_and_keeps_the_records(tmp_path):
+    a = fill(tmp_path / "disk")
+    files = record_files(tmp_path / "disk")
+    with FakeEngine(disk_config(tmp_path / "disk")) as b:
+        assert b.connector.tiers["disk"].wait_scan(30)
+        # vLLM resets the cache after a weight update: the records may be the old weights'
+        assert b.connector.reset_cache()
+        run_workload(b, one_per_prefix("b", SHARED, 2))
+        clean(b)
+        c = counters(b)
+    assert b.stats.cpu_hit_tokens == 0 and c["lookup_hit_blocks"] == 0 and c["written_blocks"] == 0
+    assert record_files(tmp_path / "disk") == files and len(files) == a["records"]  # kept for a restart
+
+
 def test_without_the_disk_tier_b_hits_nothing(tmp_path):
     """The control for the test above: the same B with no disk tier computes what the disk served."""
     wl = one_per_prefix("b", SHARED, 2)
