@@ -34,6 +34,8 @@ class DiskConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     fsync: bool = False  # fsync each record before it becomes visible (survives power loss; slower)
     max_inflight_bytes: int | str = "256MiB"  # per rank: bytes queued for writing; beyond it writes drop
     timeout_ms: Annotated[int, msgspec.Meta(ge=1, le=600000)] = 2000  # a request waits this long for a read
+    # start-up waits at most this long for the scan of the records on disk; the rest of it runs meanwhile
+    scan_wait_ms: Annotated[int, msgspec.Meta(ge=0, le=600000)] = 2000
     max_waiting_requests: Annotated[int, msgspec.Meta(ge=1)] = 64
     breaker_backoff_ms: Annotated[int, msgspec.Meta(ge=1)] = 1000  # first pause after an I/O failure (doubles)
     breaker_max_backoff_ms: Annotated[int, msgspec.Meta(ge=1)] = 60000

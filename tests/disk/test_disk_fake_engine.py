@@ -71,10 +71,11 @@ def test_a_restarted_engine_serves_the_prefixes_from_disk(tmp_path):
 
 
 def test_the_first_request_after_a_restart_hits(tmp_path):
-    """The scan is done before the first request, but no step has run yet: its first lookup takes it."""
+    """The scan finished after start-up stopped waiting for it (`scan_wait_ms: 0`), before the first request,
+    and no step has run yet: the first lookup takes it."""
     fill(tmp_path / "disk")
     wl = one_per_prefix("b", SHARED[:1], 2)  # one request
-    with FakeEngine(disk_config(tmp_path / "disk")) as b:
+    with FakeEngine(disk_config(tmp_path / "disk", scan_wait_ms=0)) as b:
         assert b.connector.tiers["disk"].files.wait_scan(30)  # ready, not applied
         run_workload(b, wl)
         clean(b)

@@ -60,14 +60,18 @@ class DiskTier(LowerTier):
     @classmethod
     def create(cls, section: DiskConfig, context: TierContext) -> DiskTier:
         """Checks and locks the directory (`DiskDirError` naming `disk.path` when it cannot), starts the
-        file thread (the scan first). No block is read or written here."""
+        file thread (the scan first) and waits for the scan at most `disk.scan_wait_ms`. No block is read
+        or written here."""
         root = open_private_dir(section.path)
         lock = DirectoryLock(root, section.path)
         auth = read_auth_key(section.auth_key_file) if section.auth_key_file else None
         fingerprints = [rank_fingerprint(context.identity, r, context.world_size) for r in range(context.world_size)]
         files = FileWorker([os.path.join(root, rank_dir_name(f)) for f in fingerprints],
                            [Verifier(f, auth) for f in fingerprints], None)
-        return cls(section, context, files, lock)
+        tier = cls(section, context, files, lock)
+        if section.scan_wait_ms:  # a small directory is indexed before the first request; a large one after
+            tier.wait_scan(section.scan_wait_ms / 1000)
+        return tier
 
     @staticmethod
     def describe(section: DiskConfig) -> str:
