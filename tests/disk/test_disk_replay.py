@@ -23,7 +23,7 @@ def run_json(capsys, *args: str) -> dict:  # noqa: ANN001
 
 def test_without_the_tier_disk_hits_are_zero(capsys):
     out = run_json(capsys)
-    assert out["disk_hit_tokens"] == 0 and out["disk"] == {}
+    assert out["disk_hit_tokens"] == 0 and "disk" not in out
 
 
 def test_a_second_replay_on_the_same_directory_hits_what_the_first_wrote(tmp_path, capsys):
