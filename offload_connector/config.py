@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from offload_connector.disk.config import DiskConfig, validate_disk
 from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.remote.config import RemoteConfig, check_remote
 
@@ -92,6 +93,7 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     metrics: bool = True
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     remote: RemoteConfig | None = None  # a shared tier under the CPU tier (remote/config.py); None: off
+    disk: DiskConfig | None = None  # a local directory under the CPU tier (disk/config.py); None: off
 
 
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE | re.ASCII)
@@ -225,6 +227,8 @@ def _validate(cfg: OffloadConfig) -> OffloadConfig:
         if problem is not None:
             raise ConfigError(*problem)
         cfg.remote.max_inflight_bytes = parse_size("remote.max_inflight_bytes", cfg.remote.max_inflight_bytes)
+    if cfg.disk is not None:
+        validate_disk(cfg.disk, parse_size, ConfigError)
     return cfg
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-LOWER_TIERS: tuple[str, ...] = ("remote",)
+LOWER_TIERS: tuple[str, ...] = ("disk", "remote")
 
 
 def lower_tier_sections(config: Any) -> list[tuple[str, Any]]:

@@ -27,6 +27,7 @@ def check_config(path: str, model_config: str | None = None, tp: int = 1, block_
     out: dict[str, Any] = {
         "valid": True, "config": path, "store_policy": config.store_policy, "eviction": config.eviction,
         "transfer_backend": config.transfer.backend, "remote": config.remote is not None,
+        "disk": config.disk.path if config.disk is not None else None,
         "cpu_bytes": int(config.cpu_bytes), "num_cpu_blocks": config.num_cpu_blocks, "tp": tp,
     }
     if kv is None:
@@ -50,7 +51,8 @@ def check_config(path: str, model_config: str | None = None, tp: int = 1, block_
 def format_check(result: dict[str, Any]) -> str:
     lines = [f"{result['config']}: valid",
              f"  policies     store_policy {result['store_policy']}, eviction {result['eviction']}, "
-             f"transfer.backend {result['transfer_backend']}, remote tier {'on' if result['remote'] else 'off'}"]
+             f"transfer.backend {result['transfer_backend']}, remote tier {'on' if result['remote'] else 'off'}, "
+             f"disk tier {result['disk'] or 'off'}"]
     tier = (f"num_cpu_blocks {result['num_cpu_blocks']:,} per rank" if result["num_cpu_blocks"] is not None
             else f"cpu_bytes {format_bytes(result['cpu_bytes'])} for the whole engine")
     if "per_rank" not in result:

@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--hybrid", type=_positive, nargs="?", const=0, metavar="WINDOW",
                     help="hybrid model: odd layers attend within a sliding window of WINDOW tokens (default 4 "
                          "blocks) as a second KV-cache group; the report gives each group's hits")
+    rp.add_argument("--disk-dir", metavar="DIR",
+                    help="turn the disk tier on in DIR (created 0700; a second replay with it finds the blocks)")
+    rp.add_argument("--disk-bytes", metavar="SIZE", help='the disk tier\'s budget, e.g. "2GiB" (default 16GiB)')
     rp.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     rp.add_argument("--plot", metavar="FILE", help="write a PNG of the hit ratio over time (needs matplotlib)")
     rp.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
@@ -206,6 +209,9 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"error: --session-close-delay: got {args.session_close_delay}; allowed: seconds >= 0",
               file=sys.stderr)
         return 2
+    if args.disk_bytes is not None and args.disk_dir is None:
+        print("error: --disk-bytes needs --disk-dir (the disk tier's directory)", file=sys.stderr)
+        return 2
     bundled = args.trace is None or args.trace in BUNDLED_TRACES
     scaled = args.scaled or (bundled and not args.full_size)
     trace = _trace_path(args.trace)
@@ -214,7 +220,7 @@ def _replay(args: argparse.Namespace) -> int:
     config = replay_config(args.config, gpu_blocks=gpu_blocks, cpu_blocks=cpu_blocks,
                            store_policy=args.store_policy, eviction=args.eviction,
                            max_num_seqs=args.max_num_seqs, branch_filter=False if args.no_branch_filter else None,
-                           hybrid_window=args.hybrid)
+                           hybrid_window=args.hybrid, disk_dir=args.disk_dir, disk_bytes=args.disk_bytes)
     if not requests:
         print(f"warning: trace {trace} holds no request", file=sys.stderr)
     bar = None if args.quiet else ProgressBar()

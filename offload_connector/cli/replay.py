@@ -37,6 +37,7 @@ from offload_connector.config import (
 )
 from offload_connector.fake_engine import FakeEngine, IntegrityError
 from offload_connector.fake_engine.stats import EngineStats
+from scheduler_side.tiers.disk.tier import DiskTier
 
 
 @dataclass(slots=True)
@@ -69,6 +70,8 @@ class ReplayResult:
             error=self.error,
         )
         out["connector"] = dict(self.connector)
+        # tokens read from the disk tier into the CPU tier for requests that missed there (0 without it)
+        out["disk_hit_tokens"] = self.tiers.get("disk", {}).get("lookup_hit_blocks", 0) * eng.block_size
         out["sizes_from"] = dict(self.sizes_from)
         out.update({name: dict(counters) for name, counters in self.tiers.items()})  # e.g. "remote": {...}
         return out
@@ -77,7 +80,8 @@ class ReplayResult:
 def replay_config(config: str | Path | Mapping[str, Any] | None = None, *, gpu_blocks: int | None = None,
                   cpu_blocks: int | None = None, store_policy: str | None = None, eviction: str | None = None,
                   max_num_seqs: int | None = None, branch_filter: bool | None = None,
-                  hybrid_window: int | None = None) -> OffloadConfig:
+                  hybrid_window: int | None = None, disk_dir: str | None = None,
+                  disk_bytes: str | None = None) -> OffloadConfig:
     """The replay's config: the file (or mapping, or the embedded default) with the overrides applied.
     `hybrid_window` (tokens; 0: `HYBRID_WINDOW_BLOCKS` blocks) turns on the fake engine's hybrid mode
     (`engine.sliding_window`)."""
@@ -98,6 +102,8 @@ def replay_config(config: str | Path | Mapping[str, Any] | None = None, *, gpu_b
         override["store_policy"] = store_policy
     if branch_filter is not None:
         override["branch_filter"] = branch_filter
+    if disk_dir is not None:
+        override["disk"] = {"path": disk_dir} | ({"bytes": disk_bytes} if disk_bytes is not None else {})
     config = load_config(merge_configs(data, override))
     if hybrid_window is None:
         return config
@@ -161,6 +167,9 @@ def _run_replay(config: OffloadConfig, requests: list[TraceRequest], scaled: boo
     error = None
     # sync_stores: deterministic, stores land before the next step; outputs are not kept (only counted)
     with FakeEngine(config, sync_stores=True, keep_outputs=False) as engine:
+        disk = engine.connector.tiers.get("disk") if engine.connector is not None else None
+        if isinstance(disk, DiskTier):  # a warm run: the records found are indexed before request 1
+            disk.wait_scan()
         max_queued = 2 * eng.max_num_seqs
         next_index = 0
         total = len(requests)
@@ -187,6 +196,8 @@ def _run_replay(config: OffloadConfig, requests: list[TraceRequest], scaled: boo
         connector = engine.connector.stats.snapshot() if engine.connector is not None else {}
         tiers = {name: dict(zip(tier.COUNTERS, tier.counter_values(), strict=True))
                  for name, tier in (engine.connector.tiers.items() if engine.connector is not None else ())}
+        if disk is not None:  # its capacity and occupancy too
+            tiers["disk"] |= disk.gauges()
     return ReplayResult(stats, time.perf_counter() - start, trace_name, scaled, config, num_cpu_blocks, error,
                         connector, tiers=tiers)
 

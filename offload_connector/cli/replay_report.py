@@ -42,6 +42,15 @@ def _group_lines(result: ReplayResult) -> list[str]:
                                                          strict=True))]
 
 
+def _disk_lines(disk: dict[str, int]) -> list[str]:
+    if not disk:
+        return []
+    return [f"  disk tier   {disk['records']:,} records ({_mib(disk['used_bytes'])} of {_mib(disk['capacity_bytes'])}), "
+            f"{disk['scanned_blocks']:,} found at start; read {disk['read_blocks']:,} blocks, wrote "
+            f"{disk['written_blocks']:,} ({disk['write_exists']:,} there already), evicted {disk['evicted_blocks']:,}, "
+            f"refused {disk['corrupt_blocks']} corrupt + {disk['foreign_blocks']} foreign"]
+
+
 def format_report(result: ReplayResult) -> str:
     s = result.stats
     d = result.to_dict()
@@ -57,6 +66,7 @@ def format_report(result: ReplayResult) -> str:
         f"  prompt      {s.prompt_tokens:,} tokens",
         f"    GPU hit   {s.gpu_hit_tokens:,} ({pct(s.gpu_hit_tokens):.1%})",
         f"    CPU hit   {s.cpu_hit_tokens:,} ({pct(s.cpu_hit_tokens):.1%})",
+        *([f"      of it from disk {d['disk_hit_tokens']:,} ({pct(d['disk_hit_tokens']):.1%})"] if "disk" in result.tiers else []),
         f"    computed  {s.computed_prompt_tokens:,} ({pct(s.computed_prompt_tokens):.1%})",
         f"    hit ratio {pct(s.gpu_hit_tokens + s.cpu_hit_tokens):.1%} (GPU + CPU)",
         f"  transfers   stored {_mib(s.bytes_stored)}, loaded {_mib(s.bytes_loaded)}; {s.num_loads} loads, "
@@ -65,9 +75,10 @@ def format_report(result: ReplayResult) -> str:
         f"{s.recomputed_tokens:,} recomputed tokens",
         f"  GPU evicted {s.gpu_evictions:,} cached blocks, {s.gpu_evictions_unsaved:,} of them on neither tier",
         *_group_lines(result),
+        *_disk_lines(result.tiers.get("disk", {})),
         *_connector_lines(result.connector),
         *(f"  {name:<11} " + (", ".join(f"{key} {value:,}" for key, value in counters.items() if value) or "idle")
-          for name, counters in result.tiers.items()),
+          for name, counters in result.tiers.items() if name != "disk"),  # the disk's: its own line above
         f"  integrity   {s.integrity_errors} errors ({s.verified_tokens:,} token reads verified), "
         f"{s.leaked_blocks} leaked blocks",
         f"  wall time   {result.wall_seconds:.1f} s",

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from offload_connector.lower_tiers import lower_tier_sections
 from scheduler_side.tiers.base import LowerTier, TierContext
+from scheduler_side.tiers.disk.tier import DiskTier
 from scheduler_side.tiers.remote.tier import RemoteTier
 
 # One entry per lower tier, in `LOWER_TIERS` order (nearest first); the key is the class's `name`.
 TIERS: dict[str, type[LowerTier]] = {
+    "disk": DiskTier,
     "remote": RemoteTier,
 }
 

@@ -9,10 +9,12 @@ from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.tier_identity import TierIdentity
 from worker_side.host_pool import HostPool
 from worker_side.tiers.base import TierIO
+from worker_side.tiers.disk.tier_io import DiskTierIO
 from worker_side.tiers.remote_io import RemoteWorkerIO
 
 # One entry per lower tier, in `LOWER_TIERS` order (nearest first); the key is the class's `name`.
 TIER_IOS: dict[str, type[TierIO]] = {
+    "disk": DiskTierIO,
     "remote": RemoteWorkerIO,
 }
 

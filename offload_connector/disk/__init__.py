@@ -1,0 +1,1 @@
+"""The disk tier's shared parts: its config section, record format, directory rules and counters."""
