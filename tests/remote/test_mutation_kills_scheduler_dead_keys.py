@@ -51,6 +51,10 @@ class View:
     def gpu_eviction_candidates(self):
         return iter(self.frontier)
 
+    def gpu_frontier(self, num: int):
+        head = self.frontier[:num]
+        return [gpu_id for gpu_id, _ in head], [key for _, key in head]
+
 
 def keys(n: int) -> list[bytes]:
     return [with_group_id(bytes([i]) * 16) for i in range(n)]
