@@ -22,7 +22,7 @@ AsyncScheduler and two batches in flight, the default of vLLM's GPU builds) and 
 (mean / max).
 
     python benchmarks/bench_scheduler.py [--workload default|hit-heavy] [--json] [--breakdown] [--repeats N]
-                                         [--profile ours|simple|none]
+                                         [--profile ours|simple|none] [--store-policy eager|lazy]
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def make_workload(args: argparse.Namespace) -> list[Arrival]:
 def shape_of(args: argparse.Namespace) -> SimShape:
     return SimShape(num_gpu_blocks=args.gpu_blocks, num_cpu_blocks=args.cpu_blocks, block_size=args.block_size,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                    max_model_len=2048, remote_url=getattr(args, "remote_url", None))
+                    max_model_len=2048, remote_url=getattr(args, "remote_url", None),
+                    store_policy=getattr(args, "store_policy", None))
 
 
 class Feed:
@@ -242,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-top", type=int, default=25)
     p.add_argument("--breakdown", action="store_true",
                    help="extra run timing each connector hook (CPU us/step per hook, both connectors)")
+    p.add_argument("--store-policy", choices=("eager", "lazy"),
+                   help="ours' store_policy (default: unset, the default configuration's)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--remote", action="store_true",
                    help="also run ours with the remote tier on (a throwaway redis-server on a loopback port)")
@@ -269,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     none, simple, ours = (results[v]["us_per_step"] for v in ("none", "simple", "ours"))
     hidden = {"json", "profile", "profile_top", "breakdown", "remote", "remote_url"}
+    if args.store_policy is None:  # the default configuration's: the JSON keeps its keys
+        hidden.add("store_policy")
     if args.workload == "default":  # the default JSON keeps its keys
         hidden |= {"workload", "zipf"}
     else:

@@ -88,6 +88,7 @@ class SimShape:
     max_model_len: int = 4096
     async_scheduling: bool = False  # AsyncScheduler with two batches in flight
     remote_url: str | None = None  # the server of the REMOTE_VARIANT
+    store_policy: str | None = None  # ours' `store_policy` (None: the default configuration's)
 
 
 def build_scheduler(variant: str, shape: SimShape) -> Scheduler:
@@ -98,6 +99,8 @@ def build_scheduler(variant: str, shape: SimShape) -> Scheduler:
         kv_transfer = None
     elif variant in ("ours", REMOTE_VARIANT):
         extra: dict = {"num_cpu_blocks": shape.num_cpu_blocks}
+        if shape.store_policy is not None:
+            extra["store_policy"] = shape.store_policy
         if variant == REMOTE_VARIANT:
             extra["remote"] = {"url": shape.remote_url, "namespace": "sim", "timeout_ms": 1000}
         kv_transfer = KVTransferConfig(

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from itertools import islice
 from typing import NamedTuple, Protocol
 
 from scheduler_side.pool.block_pool import BlockPool
@@ -37,6 +38,10 @@ class GpuPool(Protocol):
 
     def eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         """(gpu_block_id, cache key or None) of free blocks, from the eviction frontier onwards."""
+
+    def frontier(self, num: int) -> tuple[list[int], list[bytes | None]]:
+        """The first `num` free blocks from the eviction frontier (fewer when the queue is shorter), as
+        their ids and their cache keys (None: no key), both in queue order. Reads only."""
 
     def num_free_blocks(self) -> int:
         """Blocks in the free queue now."""
@@ -87,6 +92,10 @@ class BlockPoolGpuView:
     def eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         for block in self.pool.free_queue:
             yield block.block_id, block.block_hash
+
+    def frontier(self, num: int) -> tuple[list[int], list[bytes | None]]:
+        blocks = list(islice(self.pool.free_queue, max(0, num)))
+        return [b.block_id for b in blocks], [b.block_hash for b in blocks]
 
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks

@@ -60,6 +60,10 @@ class ScriptedView:
     def gpu_eviction_candidates(self):
         return iter(self.frontier)
 
+    def gpu_frontier(self, num: int):
+        head = self.frontier[:num]
+        return [gpu_id for gpu_id, _ in head], [key for _, key in head]
+
 
 def key(i: int) -> bytes:
     return b"k%04d" % i

@@ -28,14 +28,19 @@ What it holds on the GPU, and the bound: when the engine's free queue is shorter
 meant to save (the lookahead, deferred spans, prompt rests), a finishing request's unsaved blocks are held (one reference each) until the next step's store event takes
 them, at most as many as the CPU tier has free blocks; every hold is released at the next `pick_stores`.
 So the engine's GPU cache can keep, for one step, blocks vLLM alone would have evicted.
-Cost per step: O(lookahead + deferred spans + prompt rests; the rests at most the engine's step bound
-when known); per admission O(blocks allocated + its GPU hit). Follows store_policy's call order.
+Cost per step: the frontier read (`gpu_frontier`: O(lookahead + deferred spans + prompt rests; the rests
+at most the engine's step bound when known), as list building, no Python step of ours per block) plus
+O(unsaved blocks in it) Python steps (frontier_scan.py); per admission O(blocks allocated + its GPU hit).
+Follows store_policy's call order.
 """
 
 from __future__ import annotations
 
-from offload_connector.hashing import with_group_id
+from math import ceil
+
+from offload_connector.hashing import group_suffix, with_group_id
 from scheduler_side.policies.evicted_keys import EvictedKeys
+from scheduler_side.policies.frontier_scan import scan_frontier
 from scheduler_side.policies.store_policy import EagerStorePolicy, StorePicks, StorePolicy, StorePolicyView
 from scheduler_side.request_state import LoadJob, RequestState
 
@@ -48,10 +53,12 @@ class LazyStorePolicy(StorePolicy):
     def __init__(self, view: StorePolicyView) -> None:
         super().__init__(view)
         self._inclusive = EagerStorePolicy(view)  # picks every computed block while the tier has room
+        self._suffix = group_suffix(view.group_id)  # a block hash + this = its key (`with_group_id`)
         self._step_alloc = 0  # blocks the engine handed to requests this step
         self._peak_alloc = 0.0  # decaying peak of per-step allocations
         self._admit_mean = 0.0  # mean largest admission of steps that ran at most one request (EMA)
-        self._scanned: list[tuple[int, bytes | None]] = []  # the frontier this step's selection scanned
+        # this step's selection: the frontier read (ids, keys), how many it scanned, the positions it picked
+        self._scanned: tuple[list[int], list[bytes | None], int, list[int]] = ([], [], 0, [])
         self._frontier_of: dict[int, list[tuple[int, bytes | None]]] = {}  # store event -> its frontier
         self._held: dict[bytes, int] = {}  # key -> GPU block held for the next store event
         self._last_event_id: int | None = None  # our most recent store event
@@ -177,18 +184,25 @@ class LazyStorePolicy(StorePolicy):
         need = num_cpu_hit_blocks + (rest if bound is None else min(rest, bound))
         if need <= 0:
             return True
-        is_saved, is_dead, unsaved, taken = view.is_saved, view.is_dead, 0, 0
+        cached, reserved = view.saved_key_maps()
+        dead = view.is_dead if view.may_have_dead() else None
         own = self._gpu_hit_keys(state)
-        span = 0  # frontier blocks the allocation reaches (its own free GPU hits included)
-        for _, key in view.gpu_eviction_candidates():
-            if taken >= need:
+        num = need + len(own)  # the frontier it reaches, unless a key of its own is there twice: then more
+        while True:
+            _, keys = view.gpu_frontier(num)
+            unsaved = taken = span = 0  # span: frontier blocks the allocation reaches (its own free hits too)
+            for key in keys:
+                if taken >= need:
+                    break
+                span += 1
+                if key in own:
+                    continue  # its own GPU hit: the allocation takes it out of the queue, evicting nothing
+                taken += 1
+                if key is not None and key not in cached and key not in reserved and not (dead and dead(key)):
+                    unsaved += 1
+            if taken >= need or len(keys) < num:
                 break
-            span += 1
-            if key in own:
-                continue  # its own GPU hit: the allocation takes it out of the queue, evicting nothing
-            taken += 1
-            if key is not None and not is_saved(key) and not is_dead(key):
-                unsaved += 1
+            num *= 2
         # Worth a step only if the CPU tier can take them (a tiny tier would defer in vain).
         if unsaved == 0 or unsaved > view.cpu_num_free_blocks():
             return True
@@ -201,8 +215,8 @@ class LazyStorePolicy(StorePolicy):
         them out of the free queue without evicting them, so the blocks it evicts lie that much further on."""
         if not state.num_gpu_hit_blocks:
             return frozenset()
-        hashes, group = state.request.block_hashes, self.view.group_id
-        return frozenset(with_group_id(hashes[i], group) for i in range(min(state.num_gpu_hit_blocks, len(hashes))))
+        suffix = self._suffix
+        return frozenset([h + suffix for h in state.request.block_hashes[:state.num_gpu_hit_blocks]])
 
     def _tick(self) -> None:
         """One engine step: CPU pressure, the decaying peak of allocations nothing covered (not the prompt
@@ -240,7 +254,6 @@ class LazyStorePolicy(StorePolicy):
                 picks.gpu_ids.append(gpu_id)
                 picks.keys.append(key)
         picked = set(picks.keys)
-        scanned: list[tuple[int, bytes | None]] = []
         # A picked block leaves the free queue while its store is in flight. If that outlasts the next
         # step's allocations, those allocations reach past it, so a pick must not count against the
         # lookahead; if the store lands first, the block is back (saved) and it should. Weigh each pick by
@@ -252,34 +265,40 @@ class LazyStorePolicy(StorePolicy):
         # allocate next step is exactly that; with more running, other allocations come first.
         span, self._deficit = (self._deficit if lone else 0), 0
         room = view.cpu_num_free_blocks() - len(picks.gpu_ids)
-        for gpu_id, key in view.gpu_eviction_candidates():
-            if budget <= 0:
+        # Block by block from the head while the budget lasts: an unsaved block is picked (while the tier has
+        # room) at `pick_cost`, any other block costs 1 (frontier_scan.py walks the runs between unsaved ones).
+        cached, reserved = view.saved_key_maps()
+        dead = view.is_dead if view.may_have_dead() else None
+        num = max(0, ceil(budget)) + 64  # a prefix long enough unless picks cost little: then read more
+        while True:
+            ids, keys = view.gpu_frontier(num)
+            candidates = [i for i, key in enumerate(keys) if key is not None and key not in cached
+                          and key not in reserved and not (dead and dead(key))]
+            taken = set(picked)
+            num_scanned, positions, short = scan_frontier(keys, candidates, budget, pick_cost, room, taken)
+            if not short or len(keys) < num:
                 break
-            scanned.append((gpu_id, key))
-            if room > 0 and key is not None and key not in picked and not is_saved(key) and not is_dead(key):
-                picked.add(key)
-                picks.gpu_ids.append(gpu_id)
-                picks.keys.append(key)
-                room -= 1
-                budget -= pick_cost
-            else:
-                if len(scanned) <= span and key is not None and is_saved(key) and not is_dead(key):
-                    picks.refresh_keys.append(key)  # the deferred admission evicts it next: keep its copy
-                budget -= 1
-        self._scanned = scanned
+            num *= 2
+        for i in positions:
+            picks.gpu_ids.append(ids[i])
+            picks.keys.append(keys[i])  # type: ignore[arg-type]  # (a candidate is hashed)
+        for key in keys[:min(span, num_scanned)]:
+            if key is not None and (key in cached or key in reserved) and not (dead and dead(key)):
+                picks.refresh_keys.append(key)  # the deferred admission evicts it next: keep its copy
+        self._scanned = (ids, keys, num_scanned, positions)
         return picks
 
     def on_stores_emitted(self, event_id: int | None, stored_gpu_ids: list[int]) -> None:
         """Remember the frontier up to the last scanned block the event stores (a full CPU pool may have
-        cut the list): its order is restored when the store completes."""
-        frontier, self._scanned = self._scanned, []
+        cut the list): its order is restored when the store completes. O(blocks stored + that frontier)."""
+        (ids, keys, _, positions), self._scanned = self._scanned, ([], [], 0, [])
         self._last_event_id = event_id
         if event_id is None:
             return
-        stored = set(stored_gpu_ids)
-        end = next((i for i in range(len(frontier) - 1, -1, -1) if frontier[i][0] in stored), -1)
+        position_of = {ids[i]: i for i in positions}  # the scanned blocks stored are among the picks
+        end = max((position_of[g] for g in stored_gpu_ids if g in position_of), default=-1)
         if end >= 0:
-            self._frontier_of[event_id] = frontier[:end + 1]
+            self._frontier_of[event_id] = list(zip(ids[:end + 1], keys[:end + 1], strict=True))
 
     def on_store_complete(self, event_id: int) -> list[tuple[int, bytes | None]]:
         """Saved blocks went back to the head; restore the frontier's LRU order around them."""
@@ -297,17 +316,17 @@ class LazyStorePolicy(StorePolicy):
         room = view.cpu_num_free_blocks() - len(self._held)
         if view.gpu_num_free_blocks() >= max(self.lookahead, self._demand) or room <= 0:
             return []
-        hashes, group = state.request.block_hashes, view.group_id
-        n = min(state.num_computed_tokens // view.block_size, len(hashes), len(state.gpu_block_ids))
-        ids = []
-        for i in range(n):
+        n = state.num_computed_tokens // view.block_size
+        held, suffix, ids = self._held, self._suffix, []
+        cached, reserved = view.saved_key_maps()
+        dead = view.is_dead if view.may_have_dead() else None
+        for h, gpu_id in zip(state.request.block_hashes[:n], state.gpu_block_ids[:n], strict=False):  # shorter
             if len(ids) >= room:
                 break
-            key = with_group_id(hashes[i], group)
-            gpu_id = state.gpu_block_ids[i]
-            if gpu_id == 0 or key in self._held or view.is_saved(key) or view.is_dead(key):
+            key = h + suffix  # with_group_id, inlined (per block)
+            if gpu_id == 0 or key in held or key in cached or key in reserved or (dead and dead(key)):
                 continue
-            self._held[key] = gpu_id
+            held[key] = gpu_id
             ids.append(gpu_id)
         return ids
 

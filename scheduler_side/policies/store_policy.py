@@ -66,6 +66,9 @@ class StorePolicyView(Protocol):
     def gpu_eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         """(gpu_block_id, key or None) of free GPU blocks from the eviction frontier on (stop before any
         change to the pool)."""
+    def gpu_frontier(self, num: int) -> tuple[list[int], list[bytes | None]]:
+        """Ids and keys (None: no key) of the first `num` free GPU blocks from the eviction frontier, fewer
+        when the queue is shorter (a snapshot: valid until the pool changes)."""
 
 
 @dataclass(slots=True)

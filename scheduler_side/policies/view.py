@@ -46,3 +46,6 @@ class SchedulerStorePolicyView:
 
     def gpu_eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         return self._gpu.eviction_candidates()
+
+    def gpu_frontier(self, num: int) -> tuple[list[int], list[bytes | None]]:
+        return self._gpu.frontier(num)

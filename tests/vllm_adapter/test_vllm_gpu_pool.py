@@ -220,6 +220,16 @@ def test_eviction_candidates_walk_the_free_queue_from_its_head() -> None:
     assert 0 not in [i for i, _ in view.eviction_candidates()]
 
 
+def test_frontier_reads_the_first_blocks_of_the_free_queue_as_two_lists() -> None:
+    pool = make_pool()
+    view = VllmGpuPool(pool)
+    run_request(pool, 2, first_hash=1)
+    walk = list(view.eviction_candidates())
+    assert view.frontier(3) == ([i for i, _ in walk[:3]], [k for _, k in walk[:3]])
+    assert view.frontier(len(walk) + 5) == ([i for i, _ in walk], [k for _, k in walk])  # a shorter queue
+    assert view.frontier(0) == ([], [])
+
+
 def test_move_to_front_restores_a_frontier_and_skips_held_or_rehashed_blocks() -> None:
     pool = make_pool()
     view = VllmGpuPool(pool)
