@@ -15,7 +15,6 @@ This module imports nothing from the project and no torch.
 from __future__ import annotations
 
 import re
-import typing
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from offload_connector.config_schema import describe, lookup, resolve_field, struct_in
 from offload_connector.disk.config import DiskConfig, validate_disk
 from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.remote.config import RemoteConfig, check_remote
@@ -126,59 +126,6 @@ def parse_size(key: str, value: int | str) -> int:
     return size
 
 
-def _resolve_field(path: list[str]) -> tuple[Any, Any]:
-    """Walk `path` through the Struct types; return (owning struct type, field annotation or None)."""
-    owner: Any = OffloadConfig
-    annotation: Any = None
-    for name in path:
-        hints = typing.get_type_hints(owner, include_extras=True) if _is_struct(owner) else {}
-        annotation = hints.get(name)
-        nxt = _struct_in(annotation)
-        if nxt is not None and name != path[-1]:
-            owner = nxt
-    return owner, annotation
-
-
-def _is_struct(tp: Any) -> bool:
-    return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
-
-
-def _struct_in(annotation: Any) -> Any:
-    if _is_struct(annotation):
-        return annotation
-    for arg in typing.get_args(annotation):
-        if _is_struct(arg):
-            return arg
-    return None
-
-
-def _describe(annotation: Any) -> str:
-    """Human description of the values an annotation admits."""
-    origin = typing.get_origin(annotation)
-    if origin is Literal:
-        return " | ".join(repr(a) for a in typing.get_args(annotation))
-    if origin is Annotated:
-        base, *metas = typing.get_args(annotation)
-        bounds = [f">= {m.ge}" for m in metas if isinstance(m, msgspec.Meta) and m.ge is not None]
-        bounds += [f"<= {m.le}" for m in metas if isinstance(m, msgspec.Meta) and m.le is not None]
-        return f"{_describe(base)} {' '.join(bounds)}".strip()
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        return " or ".join(_describe(a) for a in typing.get_args(annotation))
-    if annotation is type(None):
-        return "null"
-    if _is_struct(annotation):
-        return f"a mapping with keys {', '.join(annotation.__struct_fields__)}"
-    return getattr(annotation, "__name__", str(annotation))
-
-
-def _lookup(data: Any, path: list[str]) -> Any:
-    for name in path:
-        if not isinstance(data, Mapping) or name not in data:
-            return None
-        data = data[name]
-    return data
-
-
 _AT_RE = re.compile(r" - at `\$(.*)`$")
 _UNKNOWN_RE = re.compile(r"Object contains unknown field `([^`]*)`")
 
@@ -189,15 +136,15 @@ def _translate(err: msgspec.ValidationError, data: Mapping[str, Any]) -> ConfigE
     path = [p for p in (m.group(1) if m else "").split(".") if p]
     unknown = _UNKNOWN_RE.search(text)
     if unknown:
-        owner = _struct_in(_resolve_field(path)[1]) if path else OffloadConfig
+        owner = struct_in(resolve_field(OffloadConfig, path)[1]) if path else OffloadConfig
         key = ".".join(path + [unknown.group(1)])
         known = list(owner.__struct_fields__) + ([f"{a} (alias of {k})" for a, k in ALIASES.items()]
                                                  if owner is OffloadConfig else [])
-        return ConfigError(key, _lookup(data, path + [unknown.group(1)]), f"known keys here: {', '.join(known)}",
+        return ConfigError(key, lookup(data, path + [unknown.group(1)]), f"known keys here: {', '.join(known)}",
                            "unknown key")
-    _, annotation = _resolve_field(path)
+    _, annotation = resolve_field(OffloadConfig, path)
     key = ".".join(path) or "<root>"
-    return ConfigError(key, _lookup(data, path), _describe(annotation), _AT_RE.sub("", text))
+    return ConfigError(key, lookup(data, path), describe(annotation), _AT_RE.sub("", text))
 
 
 def _validate(cfg: OffloadConfig) -> OffloadConfig:
