@@ -26,11 +26,11 @@ from offload_connector.disk.config import DiskConfig
 from offload_connector.disk.counters import DiskIndexCounters
 from offload_connector.hashing import with_group_id
 from offload_connector.metadata import TierReport
-from scheduler_side.errors import SchedulerError
 from scheduler_side.pool.block_pool import BlockPool
 from scheduler_side.pool.free_queue import Block
 from scheduler_side.request_state import RequestState
 from scheduler_side.tiers.disk.index import DiskIndex
+from scheduler_side.tiers.fetch_reports import apply_fetch_report
 
 logger = logging.getLogger("scheduler_side.scheduler")
 
@@ -176,23 +176,8 @@ class DiskReads:
 
     def on_report(self, report: TierReport, rank: int) -> list[bytes]:
         """Apply one rank's read completions; returns the keys that became hit-able on the CPU tier."""
-        committed: list[bytes] = []
-        failed = set(report.failed_fetch_cpu_blocks)
-        for event_id in report.completed_fetch_events:
-            event = self._events.get(event_id)
-            if event is None:
-                if not 0 <= event_id < self._next_event:
-                    raise SchedulerError(f"completion for disk read event {event_id}, which was never issued")
-                logger.warning("ignoring a late completion of disk read event %d", event_id)
-                continue
-            if rank in event.reported_ranks:
-                logger.warning("ignoring a repeated completion of disk read event %d from rank %d", event_id, rank)
-                continue
-            event.reported_ranks.add(rank)
-            event.failed_cpu_ids.update(b.block_id for b in event.cpu_blocks if b.block_id in failed)
-            if len(event.reported_ranks) == self.world_size:
-                committed += self._complete(event)
-        return committed
+        return apply_fetch_report(self._events, self._next_event, report, rank, self.world_size, self._complete,
+                                  "disk read event", logger)
 
     def _complete(self, event: ReadEvent) -> list[bytes]:
         del self._events[event.event_id]

@@ -30,11 +30,11 @@ from offload_connector.metadata import TierOps, TierReport, TransferMetadata
 from offload_connector.remote.breaker import RemoteCounters
 from offload_connector.remote.config import RemoteConfig, redact, remote_urls
 from offload_connector.remote.format import key_prefix
-from scheduler_side.errors import SchedulerError
 from scheduler_side.pool.block_pool import BlockPool
 from scheduler_side.pool.free_queue import Block
 from scheduler_side.request_state import RequestState
 from scheduler_side.tiers.base import LowerTier, TierContext
+from scheduler_side.tiers.fetch_reports import apply_fetch_report
 from scheduler_side.tiers.remote.lookups import RemoteLookups
 from scheduler_side.tiers.remote.stats import DESCRIPTIONS, GAUGES, REMOTE_COUNTERS
 
@@ -237,23 +237,8 @@ class RemoteTier(LowerTier):
             self.worker_counters[name] = self.worker_counters.get(name, 0) + delta
         if report.written_keys:
             self._note_on_server(report.written_keys, rank)
-        committed: list[bytes] = []
-        failed = set(report.failed_fetch_cpu_blocks)
-        for event_id in report.completed_fetch_events:
-            event = self._events.get(event_id)
-            if event is None:
-                if not 0 <= event_id < self._next_event:
-                    raise SchedulerError(f"completion for fetch event {event_id}, which was never issued")
-                logger.warning("ignoring a late completion of fetch event %d", event_id)
-                continue
-            if rank in event.reported_ranks:
-                logger.warning("ignoring a repeated completion of fetch event %d from rank %d", event_id, rank)
-                continue
-            event.reported_ranks.add(rank)
-            event.failed_cpu_ids.update(b.block_id for b in event.cpu_blocks if b.block_id in failed)
-            if len(event.reported_ranks) == self.world_size:
-                committed += self._complete(event)
-        return committed
+        return apply_fetch_report(self._events, self._next_event, report, rank, self.world_size, self._complete,
+                                  "fetch event", logger)
 
     def _note_on_server(self, keys: Sequence[bytes], rank: int) -> None:
         """These blocks' copies from `rank` are on the server: a block is there once every rank's is."""
