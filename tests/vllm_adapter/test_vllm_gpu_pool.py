@@ -8,6 +8,7 @@ copy of it. Its references are the connector's own, not cache accesses: they mus
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +24,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     make_block_hash_with_group_id,
 )
 
+from offload_connector.vllm.compat import free_queue_reader  # noqa: E402
 from offload_connector.vllm.gpu_pool import GpuPoolError, VllmGpuPool  # noqa: E402
 
 BS = 16
@@ -228,6 +230,55 @@ def test_frontier_reads_the_first_blocks_of_the_free_queue_as_two_lists() -> Non
     assert view.frontier(3) == ([i for i, _ in walk[:3]], [k for _, k in walk[:3]])
     assert view.frontier(len(walk) + 5) == ([i for i, _ in walk], [k for _, k in walk])  # a shorter queue
     assert view.frontier(0) == ([], [])
+
+
+def public_frontier(pool: BlockPool, num: int) -> tuple[list[int], list]:
+    blocks = pool.free_block_queue.get_all_free_blocks()[:num]
+    return [b.block_id for b in blocks], [b.block_hash for b in blocks]
+
+
+def test_frontier_walks_the_free_list_links_and_reads_what_the_public_walk_reads() -> None:
+    """`compat.free_queue_reader` walks the free list's links on the installed vLLM (its fast path), and
+    reads the same ids and hashes as vLLM's public accessors after allocations, cache hits, frees, front
+    frees and moves; the public fallback (a queue without those links) reads the same."""
+    rng = random.Random(7)
+    pool = BlockPool(num_gpu_blocks=64, enable_caching=True, hash_block_size=BS)
+    view = VllmGpuPool(pool)
+    assert free_queue_reader(pool).__name__ == "read_links"
+    public = free_queue_reader(ContractOnly(pool, "BlockPool"))
+    assert public.__name__ == "read_public"
+    held: list[int] = []
+    next_hash = 1
+    for _ in range(300):
+        op = rng.randrange(5)
+        if op == 0 and pool.get_num_free_blocks() > 8:
+            n = rng.randint(1, 6)
+            blocks = pool.get_new_blocks(n)
+            request = SimpleNamespace(block_hashes=[h.to_bytes(32, "big") for h in range(next_hash, next_hash + n)])
+            pool.cache_full_blocks(request, blocks, 0, rng.randint(0, n), BS, 0)
+            next_hash += n
+            held += [b.block_id for b in blocks]
+        elif op == 1 and held:
+            rng.shuffle(held)
+            n = rng.randint(1, len(held))
+            pool.free_blocks([pool.blocks[i] for i in held[:n]])  # the engine's free: hashed blocks to the tail
+            del held[:n]
+        elif op == 2:
+            free = public_frontier(pool, 64)[0]
+            if free:
+                picked = rng.sample(free, rng.randint(1, min(4, len(free))))
+                view.touch(picked)
+                held += picked
+        elif op == 3 and held:
+            n = rng.randint(1, len(held))
+            view.free(held[:n], front=True)
+            del held[:n]
+        else:
+            ids, keys = view.frontier(rng.randint(0, 20))
+            view.move_to_front(list(zip(ids, keys, strict=True))[::-1])
+        num = rng.randint(0, 70)
+        assert view.frontier(num) == public_frontier(pool, num) == public(num)
+        check_pool(pool)
 
 
 def test_move_to_front_restores_a_frontier_and_skips_held_or_rehashed_blocks() -> None:
