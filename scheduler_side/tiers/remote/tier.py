@@ -29,7 +29,7 @@ from offload_connector.hashing import with_group_id
 from offload_connector.metadata import TierOps, TierReport, TransferMetadata
 from offload_connector.remote.breaker import RemoteCounters
 from offload_connector.remote.config import RemoteConfig, redact, remote_urls
-from offload_connector.remote.format import key_prefix
+from offload_connector.remote.format import BlockParts, key_prefix
 from scheduler_side.pool.block_pool import BlockPool
 from scheduler_side.pool.free_queue import Block
 from scheduler_side.request_state import RequestState
@@ -98,7 +98,7 @@ class RemoteTier(LowerTier):
         from offload_connector.remote.client import RemoteClient
 
         lookups = RemoteLookups(RemoteClient(section), key_prefix(context.identity, section.namespace),
-                                context.world_size)
+                                BlockParts.of(context.identity, 0, context.world_size).labels)
         tier = cls(section, lookups, context.cpu_pool, context.allocate_cpu, context.world_size, context.group_id)
         tier.wants_cpu_evictions = section.write == "on_cpu_evict"
         return tier
