@@ -11,7 +11,7 @@ With `connector=False` the same engine runs without any offloading (the referenc
 With `tp_size` > 1 each tensor-parallel rank has its own model (KV shard), compute queue, backend and
 worker (`compute` and `backend` then take one per rank): by default each rank holds `engine.num_kv_heads`
 heads of its own (values salted by the rank); with `shard_heads` the model has `engine.num_kv_heads` heads
-and rank r holds its even share of them (values by head: a TP 2 engine's rank 1 holds exactly the upper
+and rank r holds its even share of them, or one replicated head with fewer heads than ranks (values by head: a TP 2 engine's rank 1 holds exactly the upper
 heads of a TP 1 engine's blocks, so a lower tier shares blocks between them, per head); the connector counts each event once every rank
 reported it, and a load lets its request resume once every rank finished it (vLLM's aggregation).
 `compute` is where the forward runs: at once on the host (default), or on a simulated GPU's compute stream
@@ -40,7 +40,7 @@ from offload_connector.fake_engine.scheduler import EngineScheduler
 from offload_connector.fake_engine.stats import EngineStats
 from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.metadata import WorkerReport
-from offload_connector.tier_identity import TierIdentity
+from offload_connector.tier_identity import TierIdentity, rank_heads
 from scheduler_side import OffloadScheduler
 from worker_side import OffloadWorker, TransferBackend
 
@@ -74,15 +74,15 @@ def tier_identity(config: OffloadConfig, tp_size: int = 1, shard_heads: bool = F
 
 
 def _rank_heads(config: OffloadConfig, tp_size: int, shard_heads: bool) -> list[tuple[int, int] | None]:
-    """Per rank: (first head, head count) of a head-sharded model, or None (heads of its own)."""
+    """Per rank: (first head, head count) of a head-sharded model (vLLM's split: fewer heads than ranks
+    replicates each, as MLA's latent is on every rank), or None (heads of its own)."""
     heads = config.engine.num_kv_heads
     if not shard_heads:
         return [None] * tp_size
-    if heads % tp_size:
-        raise ValueError(f"FakeEngine: shard_heads needs engine.num_kv_heads ({heads}) divisible by tp_size "
-                         f"({tp_size})")
-    share = heads // tp_size
-    return [(r * share, share) for r in range(tp_size)]
+    if heads % tp_size and tp_size % heads:
+        raise ValueError(f"FakeEngine: shard_heads needs engine.num_kv_heads ({heads}) and tp_size ({tp_size}) "
+                         "to divide one another")
+    return [(first, last - first) for first, last in (rank_heads(heads, r, tp_size) for r in range(tp_size))]
 
 
 class FakeEngine:
