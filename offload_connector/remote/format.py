@@ -89,7 +89,7 @@ def checksum(key: bytes, payload: bytes | memoryview) -> int:
 
 def encode_value(key: bytes, payload: bytes | memoryview) -> bytes:
     """Header + payload, ready for SET."""
-    return HEADER.pack(MAGIC, VERSION, 0, len(payload), checksum(key, payload)) + bytes(payload)
+    return b"".join((HEADER.pack(MAGIC, VERSION, 0, len(payload), checksum(key, payload)), payload))
 
 
 def decode_value(key: bytes, blob: bytes, expected_len: int) -> tuple[memoryview | None, str]:

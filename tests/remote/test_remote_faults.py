@@ -155,10 +155,10 @@ def test_no_server_at_all(url) -> None:
 def test_a_failing_fetch_path_is_a_miss_not_a_stuck_request(redis_server, monkeypatch) -> None:  # noqa: F811
     assert seed_server(redis_server.url) > 0
 
-    def broken(self, cpu_block_id, head, payload):
+    def broken(self, cpu_block_id, payloads):
         raise RuntimeError("injected: the host-pool write fails")
 
-    monkeypatch.setattr("worker_side.tiers.remote_io.HeadRows.write_part", broken)
+    monkeypatch.setattr("worker_side.tiers.remote_io.HeadRows.write_parts", broken)
     engine, _ = run_b(redis_server.url)  # finishes, every block verified, outputs unchanged
     assert engine.stats.cpu_hit_tokens == 0 and worker_counter(engine, "errors") > 0
     assert engine.connector.tiers["remote"].counters.lookup_hit_blocks > 0  # found, fetched, refused: recomputed

@@ -12,8 +12,8 @@ is read at another, part by part. Parts are `bytes_per_block / num_heads` bytes 
 
 One head per rank (MLA's latent, every rank holding it whole; or as many ranks as heads) is one part, the
 block's bytes in host-pool order, the `HostRows` layout. `read_parts` copies a block out (the caller owns
-the result); `write_part` fills one head of a block from a buffer of exactly `part_bytes`. Allocates
-nothing but `read_parts`' result. Raises `LayoutError` at construction when a registered tensor does not
+the result); `write_parts` fills a block from its parts, `write_part` one head of it. Allocates nothing
+but `read_parts`' result and `write_parts`' gathered parts. Raises `LayoutError` at construction when a registered tensor does not
 hold `num_heads` heads inside its chunks (its head dim unknown, or the heads outside the chunks).
 """
 
@@ -64,6 +64,28 @@ class HeadRows:
             np.copyto(dst, region[start:start + size].reshape(outer, n, head_bytes).transpose(1, 0, 2))
             pos += seg
         return out
+
+    def write_parts(self, cpu_block_id: int, payloads: list[memoryview]) -> None:
+        """Fill every head of the block from `num_heads` buffers of `part_bytes` each, in head order: the
+        parts are gathered once, then each chunk is one strided copy (not one per head and chunk)."""
+        n = self.num_heads
+        if len(payloads) != n or any(len(p) != self.part_bytes for p in payloads):
+            raise LayoutError(f"{len(payloads)} parts of {[len(p) for p in payloads]} bytes instead of {n} of "
+                              f"{self.part_bytes} (our bug)")
+        if n == 1:
+            src = np.frombuffer(payloads[0], np.uint8).reshape(1, -1)
+        else:
+            src = np.empty((n, self.part_bytes), np.uint8)
+            for h, payload in enumerate(payloads):
+                src[h] = np.frombuffer(payload, np.uint8)
+        pos = 0
+        for region, stride, offset, size, outer, head_bytes in self._chunks:
+            start = cpu_block_id * stride + offset
+            seg = outer * head_bytes
+            part = src[:, pos:pos + seg]
+            part.shape = (n, outer, head_bytes)  # a view, never a copy (raises otherwise)
+            np.copyto(region[start:start + size].reshape(outer, n, head_bytes), part.transpose(1, 0, 2))
+            pos += seg
 
     def write_part(self, cpu_block_id: int, head: int, payload: memoryview | bytes) -> None:
         """Fill head `head` (0-based, of this rank's heads) of the block from `part_bytes` bytes."""

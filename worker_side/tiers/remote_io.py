@@ -171,8 +171,7 @@ class RemoteWorkerIO(TierIO):
                     counters.fetch_miss_blocks += 1
                 result.failed_cpu_ids.append(cpu_id)
                 continue
-            for head, payload in enumerate(payloads):
-                rows.write_part(cpu_id, head, payload)
+            rows.write_parts(cpu_id, payloads)
             counters.fetched_blocks += 1
             counters.fetched_bytes += rows.bytes_per_block
         if corrupt:
