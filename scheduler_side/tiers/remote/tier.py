@@ -3,9 +3,9 @@ and the fetches it brings in.
 
 Flow for one request (at most once per request; `_waits` holds its `RemoteWait` until `forget`):
 1. its CPU lookup misses at block i (not being stored): `start` asks the lookup thread which of blocks
-   i.. exist on the server (every rank's key) and the lookup answers None (ask again next step). Refused,
-   so the request goes on without the tier, when `max_waiting_requests` requests already wait or the breaker
-   is open.
+   i.. exist on the server (every part's key: remote/format.py `BlockParts`) and the lookup answers None
+   (ask again next step). Refused, so the request goes on without the tier, when `max_waiting_requests`
+   requests already wait or the breaker is open.
 2. later lookups call `waiting`: while no answer, wait (until `timeout_ms` since step 1: then no remote
    hit). An answer of n > 0 blocks allocates CPU blocks (evicting LRU ones), reserves them under the
    blocks' keys (as a store does: not hit-able yet) and adds them to this step's fetch event; the request
