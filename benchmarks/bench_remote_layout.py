@@ -10,8 +10,9 @@ pool), and every fetched byte is compared with what was written: a run that diff
   what a TP 1 rank of an 8-head model does, the most parts a block has);
 - `head_tp2`: rank 0 of TP 2 reading the 4 head records of its half, written by the `head` case's TP 1
   rank (the mixed-TP fleet's read).
-Per-block times are medians over `--repeats` alternating rounds; `head / rank` is the ratio within the
-run. `split_us` is the host-pool <-> parts cost alone (HeadRows.read_parts / write_parts vs HostRows),
+Per block, medians over `--repeats` alternating rounds: wall time, and CPU time (this process's, i.e.
+the rank's threads, plus the server's from INFO cpu), which a loaded machine disturbs far less; `head /
+rank` is the ratio within the run. `split_us` is the host-pool <-> parts cost alone (HeadRows.read_parts / write_parts vs HostRows),
 no network.
 
     nice python benchmarks/bench_remote_layout.py [--json] [--repeats 5]
@@ -45,7 +46,7 @@ from worker_side.tiers.remote_io import RemoteWorkerIO  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 16
 # (name, layers, blocks): 2 layers = 128 KiB blocks (16 KiB a head), 16 layers = 1 MiB blocks (128 KiB a head)
-CASES = (("128KiB", 2, 512), ("1MiB", 16, 96))
+CASES = (("128KiB", 2, 256), ("1MiB", 16, 64))
 
 
 def make_pool(layers: int, heads: int, num_blocks: int) -> HostPool:
@@ -60,20 +61,39 @@ def identity(layers: int) -> TierIdentity:
                         hash_algo="xxh3_128", layout=f"{layers}x(2,{BLOCK_SIZE},{HEADS},{HEAD_DIM})", kv_heads=HEADS)
 
 
-def timed_write(io: RemoteWorkerIO, cpu_ids: list[int], keys: list[bytes]) -> float:
-    start = time.perf_counter()
+class Clock:
+    """Wall time and CPU time (this process + the server) between `start` and `stop`."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+
+    def server_cpu(self) -> float:
+        info = self.server.client.info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+    def start(self) -> None:
+        self.wall, self.cpu, self.srv = time.perf_counter(), time.process_time(), self.server_cpu()
+
+    def stop(self) -> tuple[float, float]:
+        wall, cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+        return wall, cpu + self.server_cpu() - self.srv
+
+
+def timed_write(clock: Clock, io: RemoteWorkerIO, cpu_ids: list[int], keys: list[bytes]) -> tuple[float, float]:
+    clock.start()
     io.write(cpu_ids, keys)
     if not io.wait_idle(120):
         raise BenchmarkError("writes did not drain in 120 s")
-    return time.perf_counter() - start
+    return clock.stop()
 
 
-def timed_fetch(io: RemoteWorkerIO, event: int, cpu_ids: list[int], keys: list[bytes]) -> float:
-    start = time.perf_counter()
+def timed_fetch(clock: Clock, io: RemoteWorkerIO, event: int, cpu_ids: list[int],
+                keys: list[bytes]) -> tuple[float, float]:
+    clock.start()
     io.submit_fetch(event, cpu_ids, keys)
     if not io.wait_idle(120):
         raise BenchmarkError("fetch did not finish in 120 s")
-    elapsed = time.perf_counter() - start
+    elapsed = clock.stop()
     failed = [c for r in io.poll() for c in r.failed_cpu_ids]
     if failed:
         raise BenchmarkError(f"{len(failed)} blocks failed to fetch")
@@ -96,9 +116,16 @@ def run_case(server: Server, layers: int, num_blocks: int, repeats: int) -> dict
         for h in range(HEADS // 2):
             half_rows.write_part(c, h, memoryview(parts[h]))
         half_want.append(half[c].clone())
-    times: dict[str, list[float]] = {f"{layout}_{op}": [] for layout in ("rank", "head", "head_tp2")
-                                     for op in ("write", "fetch")}
-    times.update(split_read=[], split_write=[], rows_read=[], rows_write=[])
+    times: dict[str, list[float]] = {f"{layout}_{op}{kind}": [] for layout in ("rank", "head")
+                                     for op in ("write", "fetch") for kind in ("", "_cpu")}
+    times.update(head_tp2_fetch=[], head_tp2_fetch_cpu=[], split_read=[], split_write=[], rows_read=[],
+                 rows_write=[])
+    clock = Clock(server)
+
+    def record(name: str, wall_cpu: tuple[float, float]) -> None:
+        times[name].append(wall_cpu[0] / num_blocks)
+        times[f"{name}_cpu"].append(wall_cpu[1] / num_blocks)
+
     for rep in range(repeats):
         for layout in ("rank", "head"):
             prefix = key_prefix(ident, f"b{rep}{layout}")
@@ -106,17 +133,16 @@ def run_case(server: Server, layers: int, num_blocks: int, repeats: int) -> dict
             io = RemoteWorkerIO(cfg, prefix, 0, 1, pool, parts)
             keys = [os.urandom(16) + b"\0\0\0\0" for _ in cpu_ids]
             try:
-                times[f"{layout}_write"].append(timed_write(io, cpu_ids, keys) / num_blocks)
+                record(f"{layout}_write", timed_write(clock, io, cpu_ids, keys))
                 pool.buffer.zero_()
-                times[f"{layout}_fetch"].append(timed_fetch(io, rep, cpu_ids, keys) / num_blocks)
+                record(f"{layout}_fetch", timed_fetch(clock, io, rep, cpu_ids, keys))
                 if any(not torch.equal(pool[c], w) for c, w in zip(cpu_ids, want, strict=True)):
                     raise BenchmarkError(f"{layout}: fetched bytes differ from those written")
                 if layout == "head":  # rank 0 of TP 2 reads its heads of the blocks TP 1 just wrote
                     half.buffer.zero_()
                     tp2 = RemoteWorkerIO(cfg, prefix, 0, 2, half, BlockParts.of(ident, 0, 2))
                     try:
-                        times["head_tp2_fetch"].append(timed_fetch(tp2, rep, cpu_ids, keys) / num_blocks)
-                        times["head_tp2_write"].append(float("nan"))
+                        record("head_tp2_fetch", timed_fetch(clock, tp2, rep, cpu_ids, keys))
                     finally:
                         tp2.close()
                     if any(not torch.equal(half[c], w) for c, w in zip(cpu_ids, half_want, strict=True)):
@@ -139,12 +165,13 @@ def run_case(server: Server, layers: int, num_blocks: int, repeats: int) -> dict
         for c, parts in zip(cpu_ids, split, strict=True):
             tp1_rows.write_parts(c, [memoryview(p) for p in parts])
         times["split_write"].append((time.perf_counter() - start) / num_blocks)
-    us = {k: round(statistics.median(v) * 1e6, 1) for k, v in times.items() if k != "head_tp2_write"}
+    us = {k: round(statistics.median(v) * 1e6, 1) for k, v in times.items()}
     return {"block_bytes": pool.bytes_per_block, "part_bytes": tp1_rows.part_bytes, "blocks": num_blocks,
             "us_per_block": us,
-            "head_over_rank": {"write": round(us["head_write"] / us["rank_write"], 3),
-                               "fetch": round(us["head_fetch"] / us["rank_fetch"], 3),
-                               "tp2_half_fetch_over_rank_fetch": round(us["head_tp2_fetch"] / us["rank_fetch"], 3)},
+            "head_over_rank": {f"{op}{kind}": round(us[f"head_{op}{kind}"] / us[f"rank_{op}{kind}"], 3)
+                               for op in ("write", "fetch") for kind in ("", "_cpu")},
+            "tp2_half_fetch_over_rank_fetch": {k: round(us[f"head_tp2_fetch{k}"] / us[f"rank_fetch{k}"], 3)
+                                               for k in ("", "_cpu")},
             "split_over_rows": {"read": round(us["split_read"] / us["rows_read"], 3),
                                 "write": round(us["split_write"] / us["rows_write"], 3)}}
 
@@ -169,7 +196,8 @@ def main() -> int:
         print(json.dumps(result, indent=1))
     else:
         for name, case in result["cases"].items():
-            print(name, case["us_per_block"], case["head_over_rank"], case["split_over_rows"])
+            print(name, case["us_per_block"], case["head_over_rank"], case["tp2_half_fetch_over_rank_fetch"],
+                  case["split_over_rows"])
     return 0
 
 

@@ -68,15 +68,14 @@ class BlockParts:
     labels: tuple[str, ...]
     first: int
     last: int
-    per_head: bool  # parts are KV heads (else ranks)
 
     @classmethod
     def of(cls, identity: TierIdentity, rank: int, world_size: int) -> BlockParts:
         if identity.kv_heads:
             first, last = rank_heads(identity.kv_heads, rank, world_size)
             heads = identity.kv_heads
-            return cls(tuple(f"h{h}of{heads}" for h in range(heads)), first, last, True)
-        return cls(rank_labels(world_size), rank, rank + 1, False)
+            return cls(tuple(f"h{h}of{heads}" for h in range(heads)), first, last)
+        return cls(rank_labels(world_size), rank, rank + 1)
 
     @property
     def mine(self) -> tuple[str, ...]:

@@ -14,13 +14,14 @@ from offload_connector.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBre
 from offload_connector.remote.client import RemoteClient
 from offload_connector.remote.format import (
     HEADER_BYTES,
+    BlockParts,
     block_key,
     decode_value,
     encode_value,
     key_prefix,
     rank_labels,
 )
-from offload_connector.tier_identity import TierIdentity
+from offload_connector.tier_identity import HeadSplitError, TierIdentity, rank_heads
 from scheduler_side.tiers.remote.lookups import RemoteLookups
 
 IDENTITY = TierIdentity(model="m", block_size=16, hash_algo="xxh3_128", layout="2x(2,16,2,8) float16")
@@ -270,3 +271,19 @@ def test_server_memory_is_none_while_the_server_is_down_and_leaves_the_breaker_a
     assert client.breaker.state == CLOSED and client.counters.errors == 0
     client.breaker.on_failure()  # opened by a lookup: the poll asks nothing
     assert client.breaker.state == OPEN and client.server_memory() is None
+
+
+def test_parts_per_head_are_keyed_without_the_rank_and_split_like_vllm() -> None:
+    per_head = TierIdentity(model="m", block_size=16, hash_algo="xxh3_128", layout="l", kv_heads=8)
+    assert BlockParts.of(per_head, 0, 1).mine == tuple(f"h{h}of8" for h in range(8))
+    assert [BlockParts.of(per_head, r, 2).mine for r in range(2)] == [("h0of8", "h1of8", "h2of8", "h3of8"),
+                                                                     ("h4of8", "h5of8", "h6of8", "h7of8")]
+    assert all(BlockParts.of(per_head, r, t).labels == BlockParts.of(per_head, 0, 1).labels
+               for t in (2, 4, 8) for r in range(t))  # the lookups check the same keys at any TP
+    assert [rank_heads(2, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # fewer heads: replicated
+    assert [rank_heads(1, r, 2) for r in range(2)] == [(0, 1), (0, 1)]  # MLA's latent: every rank, one record
+    with pytest.raises(HeadSplitError):
+        rank_heads(6, 0, 4)
+    per_rank = TierIdentity(model="m", block_size=16, hash_algo="xxh3_128", layout="l")
+    assert BlockParts.of(per_rank, 1, 2).labels == rank_labels(2) and BlockParts.of(per_rank, 1, 2).mine == ("tp1of2",)
+    assert key_prefix(per_head, "oc") != key_prefix(per_rank, "oc")  # the identity's fingerprint names the split

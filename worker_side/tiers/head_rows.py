@@ -45,7 +45,8 @@ class HeadRows:
                 raise LayoutError(
                     f"KV tensor {v.name!r}: per-head records need its {num_heads} KV heads inside each block's "
                     f"bytes; found {v.num_heads or 'no known'} heads there (head dim unknown or heads outside "
-                    "the blocks); such a layout is stored per rank")
+                    "the blocks), though the adapter's tier identity says they split by head (our bug: such "
+                    "a layout must be stored per rank, kv_heads=0); remove the lower tier's section meanwhile")
             region = v.tensor.numpy()
             for o in v.chunk_offsets:
                 self._chunks.append((region, int(v.block_stride), int(o), v.chunk_bytes,

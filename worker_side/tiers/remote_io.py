@@ -74,7 +74,7 @@ class RemoteWorkerIO(TierIO):
                  parts: BlockParts | None = None) -> None:
         """`parts`: the block's parts on the server and this rank's (default: one per rank)."""
         self.remote, self.prefix, self.rank, self.world_size = remote, key_prefix, rank, world_size
-        self.parts = parts if parts is not None else BlockParts(rank_labels(world_size), rank, rank + 1, False)
+        self.parts = parts if parts is not None else BlockParts(rank_labels(world_size), rank, rank + 1)
         self.labels = self.parts.mine
         self.rows = HeadRows(pool, len(self.labels))
         self.counters = RemoteCounters()
