@@ -11,9 +11,10 @@ With `connector=False` the same engine runs without any offloading (the referenc
 With `tp_size` > 1 each tensor-parallel rank has its own model (KV shard), compute queue, backend and
 worker (`compute` and `backend` then take one per rank): by default each rank holds `engine.num_kv_heads`
 heads of its own (values salted by the rank); with `shard_heads` the model has `engine.num_kv_heads` heads
-and rank r holds its even share of them, or one replicated head with fewer heads than ranks (values by head: a TP 2 engine's rank 1 holds exactly the upper
-heads of a TP 1 engine's blocks, so a lower tier shares blocks between them, per head); the connector counts each event once every rank
-reported it, and a load lets its request resume once every rank finished it (vLLM's aggregation).
+and rank r holds its even share of them, or one replicated head with fewer heads than ranks (values by
+head: a TP 2 engine's rank 1 holds exactly the upper heads of a TP 1 engine's blocks, so a lower tier
+shares blocks between them, per head). The connector counts each event once every rank reported it, and a
+load lets its request resume once every rank finished it (vLLM's aggregation).
 `compute` is where the forward runs: at once on the host (default), or on a simulated GPU's compute stream
 (`worker_side.testing.cuda_sim.SimCompute`, with a `CudaBackend` over the same simulator), where the engine never
 waits for the forward, as with vLLM's async scheduling: transfers are ordered by their fences alone.

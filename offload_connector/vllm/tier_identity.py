@@ -26,7 +26,7 @@ import os
 from typing import Any
 
 from offload_connector.tier_identity import TierIdentity
-from offload_connector.vllm.compat import kv_tp_replicas
+from offload_connector.vllm.compat import kv_tp_replicas, spec_kv_heads
 from offload_connector.vllm.engine_setup import KVCacheShape
 from offload_connector.vllm.errors import UnsupportedSetupError
 
@@ -39,7 +39,7 @@ HEADS_IN_BLOCK = ("LBHNC", "LBNHC", "BLHNC", "BLNHC", "BHLNC")
 def model_kv_heads(kv_cache_config: Any, shape: KVCacheShape) -> int:
     """The model's KV heads, all ranks together, when a block's bytes split by head; 0 when they do not."""
     specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
-    heads = {getattr(s, "num_kv_heads", None) for s in specs}
+    heads = {spec_kv_heads(s) for s in specs}
     if shape.layout not in HEADS_IN_BLOCK or len(heads) != 1 or None in heads:
         return 0
     replicas = kv_tp_replicas(kv_cache_config)
