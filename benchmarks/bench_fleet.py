@@ -5,7 +5,8 @@ over N fake engines by a round-robin router (request i -> instance i mod N), the
 lockstep in one process. Each instance has a GPU of `--gpu-fraction` (5%) and a CPU tier of
 `--cpu-fraction` (10%) of the trace's distinct blocks; the shared configuration adds one redis-server (started
 here on a loopback port, `--save ''`, allkeys-lru) whose `maxmemory` holds about `--shared-fraction` (40%)
-of them (value + key + the server's per-key overhead, measured with MEMORY USAGE on a probe key). Combined
+of them (per block, one record per KV head: value + key + the server's per-key overhead, measured with
+MEMORY USAGE on a probe key). Combined
 hit ratio = (GPU + CPU hit tokens) / prompt tokens over all instances; `shared_vs_local` = shared / local
 for the same N. Every instance verifies every block it reads: a run with integrity errors or leaks fails.
 
@@ -189,9 +190,11 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(workdir)
         try:
             probe = FakeEngine(fleet_config(gpu, cpu, server.url, "probe"), keep_outputs=False)
-            bytes_per_block, key_len = probe.worker.bytes_per_block, len(probe.worker.tier_ios["remote"].key(bytes(20)))
+            io = probe.worker.tier_ios["remote"]
+            keys = io.keys(bytes(20))  # one record per KV head of a block
             probe.close()
-            result["bytes_per_key"] = server.size_for(shared, key_len, HEADER_BYTES + bytes_per_block)
+            result["keys_per_block"] = len(keys)
+            result["bytes_per_key"] = server.size_for(shared * len(keys), len(keys[0]), HEADER_BYTES + io.rows.part_bytes)
             for n in args.instances:
                 local = run_fleet(trace, n, gpu, cpu, None, "")
                 server.client.flushall()

@@ -66,7 +66,7 @@ from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata  #
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from offload_connector.metadata import TierReport, WorkerReport, decode_report, encode  # noqa: E402
-from offload_connector.remote.format import block_key, key_prefix  # noqa: E402
+from offload_connector.remote.format import BlockParts, block_key, key_prefix  # noqa: E402
 from offload_connector.vllm.connector import OffloadWorkerMetadata  # noqa: E402
 
 MODEL_DIR = str(Path(__file__).resolve().parent.parent / "tests" / "tiny_llama")
@@ -196,11 +196,11 @@ class OursRemoteWorker(OursWorker):
     scheduler only asks which keys exist), and each fetch event completes, successfully, one step later.
     Both happen here, outside the timed scheduler calls, as they would in the worker processes."""
 
-    def __init__(self, load_delay: int, store_delay: int, key_prefix: str, url: str) -> None:
+    def __init__(self, load_delay: int, store_delay: int, key_prefix: str, parts: tuple[str, ...], url: str) -> None:
         super().__init__(load_delay, store_delay)
         import redis
 
-        self.key_prefix, self.client = key_prefix, redis.Redis.from_url(url)
+        self.key_prefix, self.parts, self.client = key_prefix, parts, redis.Redis.from_url(url)
         self.store_keys: dict[int, list[bytes]] = {}
         self.fetches: list[int] = []
 
@@ -220,7 +220,8 @@ class OursRemoteWorker(OursWorker):
         pipe = self.client.pipeline(transaction=False)
         for event in report.completed_store_events:
             for key in self.store_keys.pop(event, ()):
-                pipe.set(block_key(self.key_prefix, 0, 1, key), b"x", ex=600)
+                for part in self.parts:
+                    pipe.set(block_key(self.key_prefix, part, key), b"x", ex=600)
         pipe.execute()
         if done_fetches:
             report.tiers.append(TierReport(tier="remote", completed_fetch_events=done_fetches))
@@ -254,8 +255,9 @@ class NoWorker(FakeWorker):
 def make_worker(variant: str, load_delay: int | None, store_delay: int, sched: Scheduler | None = None,
                 url: str | None = None) -> FakeWorker:
     if variant == REMOTE_VARIANT:
-        prefix = key_prefix(sched.connector.offload.tier_identity, "sim")
-        return OursRemoteWorker(0 if load_delay is None else load_delay, store_delay, prefix, url)
+        identity = sched.connector.offload.tier_identity
+        return OursRemoteWorker(0 if load_delay is None else load_delay, store_delay, key_prefix(identity, "sim"),
+                                BlockParts.of(identity, 0, 1).labels, url)
     if variant == "ours":
         return OursWorker(0 if load_delay is None else load_delay, store_delay)
     if variant == "simple":

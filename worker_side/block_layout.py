@@ -12,6 +12,11 @@ Supported layouts (found from shape and strides, never guessed):
 - a cross-layer tensor with the block dim first;
 - kernel-block splitting: a block dim of `k * num_gpu_blocks` rows, grouped `k` rows per block.
 The bytes inside a block must be dense in some dim order; anything else raises `LayoutError`.
+Heads: given the head dim (vLLM's views: logical dim 1 of [B, H, N, C]; others say which), a view whose
+heads lie inside each chunk records `num_heads` and `head_bytes` (the byte stride of the head dim): each
+chunk is then (outer, num_heads, head_bytes) bytes, the split the lower tiers' per-head records use
+(worker_side/tiers/head_rows.py). Heads outside the chunks (vLLM's LHBNC) or an unknown head dim leave
+`num_heads` = 0.
 This module only reads tensor metadata; it never copies or allocates tensor memory.
 """
 
@@ -42,6 +47,8 @@ class TensorBlockView:
     block_stride: int  # bytes between block b and b + 1
     chunk_offsets: np.ndarray  # int64 byte offsets of each chunk inside a block, ascending
     chunk_bytes: int
+    num_heads: int = 0  # KV heads inside each chunk (0: unknown, or not inside the chunks)
+    head_bytes: int = 0  # bytes between consecutive heads inside a chunk (the head dim's stride)
 
     @property
     def num_chunks(self) -> int:
@@ -118,9 +125,12 @@ def _find_block_dim(name: str, shape: tuple[int, ...], num_gpu_blocks: int | Non
 
 
 def tensor_block_view(name: str, tensor: torch.Tensor, num_gpu_blocks: int | None = None,
-                      layout: object = None) -> TensorBlockView:
-    """Work out the block geometry of `tensor`; raise LayoutError rather than guess."""
+                      layout: object = None, head_dim: int | None = None) -> TensorBlockView:
+    """Work out the block geometry of `tensor`; raise LayoutError rather than guess. `head_dim`: the dim
+    holding the KV heads (default: 1 for vLLM's [B, H, N, C] views, unknown otherwise)."""
     hint = _normalize_hint(layout)
+    if head_dim is None and hint in VLLM_LAYOUTS:
+        head_dim = 1
     if not isinstance(tensor, torch.Tensor):
         raise LayoutError(f"KV cache {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.numel() == 0 or tensor.dim() < 2:
@@ -158,6 +168,25 @@ def tensor_block_view(name: str, tensor: torch.Tensor, num_gpu_blocks: int | Non
     elem = tensor.element_size()
     offsets = [sum(i * s for i, (s, _) in zip(idx, outer, strict=True)) * elem
                for idx in itertools.product(*(range(n) for _, n in outer))]
+    num_heads, head_bytes = _heads_in_chunk(tensor, head_dim, dim, block_stride, expected)
     return TensorBlockView(name=name, tensor=tensor, num_blocks=num_blocks, base_ptr=tensor.data_ptr(),
                            block_stride=block_stride * elem, chunk_offsets=np.array(sorted(offsets), np.int64),
-                           chunk_bytes=expected * elem)
+                           chunk_bytes=expected * elem, num_heads=num_heads, head_bytes=head_bytes * elem)
+
+
+def _heads_in_chunk(tensor: torch.Tensor, head_dim: int | None, block_dim: int, block_stride: int,
+                    chunk_elems: int) -> tuple[int, int]:
+    """(num_heads, head stride in elements) when the head dim lies inside each chunk, else (0, 0). Inside
+    a dense chunk, the dims of smaller stride than the head dim's make exactly its stride, so a chunk is
+    (outer, num_heads, stride) elements."""
+    if head_dim is None or not -tensor.dim() <= head_dim < tensor.dim():
+        return 0, 0
+    head_dim %= tensor.dim()
+    heads, stride = int(tensor.shape[head_dim]), int(tensor.stride(head_dim))
+    if head_dim == block_dim:
+        return 0, 0
+    if heads == 1:
+        return 1, chunk_elems
+    if stride >= block_stride or chunk_elems % (heads * stride):
+        return 0, 0
+    return heads, stride

@@ -113,7 +113,7 @@ class HostPool:
                 name=v.name, tensor=region, num_blocks=num_cpu_blocks, base_ptr=region.data_ptr(),
                 block_stride=v.chunk_bytes,
                 chunk_offsets=np.array([p.offset - first.offset for p in per_view], np.int64),
-                chunk_bytes=v.chunk_bytes))
+                chunk_bytes=v.chunk_bytes, num_heads=v.num_heads, head_bytes=v.head_bytes))
 
     @property
     def nbytes(self) -> int:

@@ -86,8 +86,9 @@ class OffloadWorker:
 
     # ---- registration -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], num_gpu_blocks: int | None = None,
-                           layout: str | None = None) -> None:
-        """Find each tensor's block dim, size and allocate the host pool, bind the backend."""
+                           layout: str | None = None, head_dim: int | None = None) -> None:
+        """Find each tensor's block dim, size and allocate the host pool, bind the backend. `head_dim`: the
+        tensors' KV-head dim where the layout does not say (block_layout; per-head records of lower tiers)."""
         if self._pool is not None:
             raise WorkerInvariantError("register_kv_caches called twice; KV caches are registered once")
         if not kv_caches:
@@ -95,7 +96,7 @@ class OffloadWorker:
         views: list[TensorBlockView] = []
         seen: set[tuple[int, int, int]] = set()
         for name, tensor in kv_caches.items():
-            view = tensor_block_view(name, tensor, num_gpu_blocks, layout)
+            view = tensor_block_view(name, tensor, num_gpu_blocks, layout, head_dim)
             key = (view.base_ptr, view.block_stride, view.block_bytes)
             if key in seen:  # layers sharing one KV cache (KV sharing): copy its bytes once
                 continue

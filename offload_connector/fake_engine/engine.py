@@ -9,8 +9,12 @@ Step order, mirroring vLLM v1 (SPEC §4-§5):
 3. back on the scheduler side: the forward's results, then `update_connector_output(report)`.
 With `connector=False` the same engine runs without any offloading (the reference for equal outputs).
 With `tp_size` > 1 each tensor-parallel rank has its own model (KV shard), compute queue, backend and
-worker (`compute` and `backend` then take one per rank); the connector counts each event once every rank
-reported it, and a load lets its request resume once every rank finished it (vLLM's aggregation).
+worker (`compute` and `backend` then take one per rank): by default each rank holds `engine.num_kv_heads`
+heads of its own (values salted by the rank); with `shard_heads` the model has `engine.num_kv_heads` heads
+and rank r holds its even share of them, or one replicated head with fewer heads than ranks (values by
+head: a TP 2 engine's rank 1 holds exactly the upper heads of a TP 1 engine's blocks, so a lower tier
+shares blocks between them, per head). The connector counts each event once every rank reported it, and a
+load lets its request resume once every rank finished it (vLLM's aggregation).
 `compute` is where the forward runs: at once on the host (default), or on a simulated GPU's compute stream
 (`worker_side.testing.cuda_sim.SimCompute`, with a `CudaBackend` over the same simulator), where the engine never
 waits for the forward, as with vLLM's async scheduling: transfers are ordered by their fences alone.
@@ -37,7 +41,7 @@ from offload_connector.fake_engine.scheduler import EngineScheduler
 from offload_connector.fake_engine.stats import EngineStats
 from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.metadata import WorkerReport
-from offload_connector.tier_identity import TierIdentity
+from offload_connector.tier_identity import TierIdentity, rank_heads
 from scheduler_side import OffloadScheduler
 from worker_side import OffloadWorker, TransferBackend
 
@@ -55,22 +59,39 @@ def _per_rank(value: object, tp_size: int, what: str) -> list:
     return values
 
 
-def tier_identity(config: OffloadConfig) -> TierIdentity | None:
+def tier_identity(config: OffloadConfig, tp_size: int = 1, shard_heads: bool = False) -> TierIdentity | None:
     """The fake model's identity for the lower tiers' keys (None without one): engines with equal `engine:`
-    sections and hash algorithm share blocks, as their K/V are the same function of the tokens."""
+    sections and hash algorithm share blocks, as their K/V are the same function of the tokens. A model
+    whose heads are the same at any TP (TP 1, or `shard_heads`) is stored per head (`kv_heads`): such
+    engines share blocks whatever their TP; ranks salted apart are stored per rank."""
     if not lower_tier_sections(config):
         return None
     eng = config.engine
+    per_head = tp_size == 1 or shard_heads
     return TierIdentity(model="offload-connector/fake-model", dtype=eng.dtype, kv_cache_dtype=eng.dtype,
-                          block_size=eng.block_size, hash_algo=config.hash_algo,
-                          layout=f"{eng.num_layers}x(2,{eng.block_size},{eng.num_kv_heads},{eng.head_dim}) kv_first")
+                        block_size=eng.block_size, hash_algo=config.hash_algo,
+                        layout=f"{eng.num_layers}x(2,{eng.block_size},{eng.num_kv_heads},{eng.head_dim}) kv_first",
+                        kv_heads=eng.num_kv_heads if per_head else 0)
+
+
+def _rank_heads(config: OffloadConfig, tp_size: int, shard_heads: bool) -> list[tuple[int, int] | None]:
+    """Per rank: (first head, head count) of a head-sharded model (vLLM's split: fewer heads than ranks
+    replicates each, as MLA's latent is on every rank), or None (heads of its own)."""
+    heads = config.engine.num_kv_heads
+    if not shard_heads:
+        return [None] * tp_size
+    if heads % tp_size and tp_size % heads:
+        raise ValueError(f"FakeEngine: shard_heads needs engine.num_kv_heads ({heads}) and tp_size ({tp_size}) "
+                         "to divide one another")
+    return [(first, last - first) for first, last in (rank_heads(heads, r, tp_size) for r in range(tp_size))]
 
 
 class FakeEngine:
     def __init__(self, config: OffloadConfig, connector: bool = True,
                  backend: TransferBackend | list[TransferBackend] | None = None, wait_for_loads: bool = True,
                  sync_stores: bool = False, compute: ComputeQueue | list[ComputeQueue] | None = None,
-                 tp_size: int = 1, keep_outputs: bool = True, keep_samples: bool = True) -> None:
+                 tp_size: int = 1, keep_outputs: bool = True, keep_samples: bool = True,
+                 shard_heads: bool = False) -> None:
         eng = config.engine
         if eng.num_cpu_blocks is not None and config.num_cpu_blocks is None:
             config = msgspec.structs.replace(config, num_cpu_blocks=eng.num_cpu_blocks)
@@ -78,7 +99,9 @@ class FakeEngine:
         self.block_size = eng.block_size
         self.stats = EngineStats()
         computes, backends = _per_rank(compute, tp_size, "compute"), _per_rank(backend, tp_size, "backend")
-        self.models = [FakeModel(eng, compute=c, rank=r) for r, c in enumerate(computes)]
+        self.models = [FakeModel(eng, compute=c, rank=r, heads=h)
+                       for r, (c, h) in enumerate(zip(computes, _rank_heads(config, tp_size, shard_heads), strict=True))]
+        identity = tier_identity(config, tp_size, shard_heads)
         self.model = self.models[0]
         self.gpu = GpuCache(eng.num_gpu_blocks, eng.block_size, self.model.groups)  # 2 groups: hybrid mode
         self.wait_for_loads = wait_for_loads
@@ -91,16 +114,17 @@ class FakeEngine:
         if connector:
             for rank, (model, rank_backend) in enumerate(zip(self.models, backends, strict=True)):
                 worker = OffloadWorker(config, world_size=tp_size, rank=rank, backend=rank_backend,
-                                       tier_identity=tier_identity(config))
+                                       tier_identity=identity)
                 self.workers.append(worker)
+                # (2, blocks, block_size, heads, head_dim): say so, 2 blocks would be ambiguous
                 worker.register_kv_caches(model.kv_caches, num_gpu_blocks=eng.num_gpu_blocks,
-                                          layout="kv_first")  # (2, blocks, ...): say so, 2 blocks would be ambiguous
+                                          layout="kv_first", head_dim=3)
             self.worker = self.workers[0]
             self.connector = OffloadScheduler(
                 config, eng.block_size, self.worker.num_cpu_blocks, self.gpu.view, tp_size,
                 max_blocks_per_step=None, num_gpu_blocks=eng.num_gpu_blocks,
                 emit_kv_events=False,  # nobody here takes them: kept, they grew with every request
-                tier_identity=tier_identity(config), groups=self.model.groups)
+                tier_identity=identity, groups=self.model.groups)
         self._load_reports: dict[str, int] = {}  # request id -> ranks that finished its load so far
         self.gpu.pool.on_evict = self._on_gpu_evict
         self.scheduler = EngineScheduler(eng, self.gpu, self.connector, self.stats, self._release,

@@ -102,11 +102,13 @@ class TokenRuns:
 
 
 class ExpectedKV:
-    def __init__(self, shape: tuple[int, int, int, int], block_size: int, dtype: torch.dtype, rank: int) -> None:
+    def __init__(self, shape: tuple[int, int, int, int], block_size: int, dtype: torch.dtype, rank: int,
+                 heads: tuple[int, int] | None = None) -> None:
         self.shape = shape  # (num_layers, 2, num_kv_heads, head_dim)
         self.block_size = block_size
         self.dtype = dtype
-        self.rank = rank  # salts the pattern: each tensor-parallel rank holds a different shard
+        self.rank = rank  # salts the pattern: each tensor-parallel rank holds a different shard ...
+        self.heads = heads  # ... unless it holds heads (first, of total) of a head-sharded model: no salt
         self.row = block_size * shape[2] * shape[3]  # elements of one page of one layer's K (or V)
         self.arena = torch.empty(shape[0] * 2, INITIAL_PAGES, self.row, dtype=dtype)
         self.free_pages: list[int] = list(range(INITIAL_PAGES - 1, -1, -1))
@@ -177,7 +179,8 @@ class ExpectedKV:
         all_seeds, positions, tokens = torch.cat(seeds), runs.positions(), self._tokens
         for i in range(0, len(slots), SYNC_CHUNK_TOKENS):  # bounds kv_values' int64 temporaries
             part = slice(i, i + SYNC_CHUNK_TOKENS)
-            values = kv_pattern.kv_values(all_seeds[part], positions[part], self.shape, self.dtype, self.rank)
+            values = kv_pattern.kv_values(all_seeds[part], positions[part], self.shape, self.dtype,
+                                          0 if self.heads else self.rank, self.heads)
             tokens.index_copy_(1, slots[part], values.reshape(tokens.shape[0], -1, tokens.shape[2]))
 
     def gather_pages(self, pages: torch.Tensor) -> torch.Tensor:

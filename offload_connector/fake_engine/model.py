@@ -129,23 +129,28 @@ class _Work:
 
 class FakeModel:
     def __init__(self, engine: EngineConfig, num_gpu_blocks: int | None = None,
-                 compute: ComputeQueue | None = None, rank: int = 0) -> None:
+                 compute: ComputeQueue | None = None, rank: int = 0, heads: tuple[int, int] | None = None) -> None:
+        """`heads` = (first, count): this rank holds KV heads first..first+count-1 of the model's
+        `engine.num_kv_heads` (a head-sharded model: values by head, the same at any TP); None: it holds
+        `engine.num_kv_heads` heads of its own (values salted by the rank)."""
         self.rank = rank  # tensor-parallel rank: salts the K/V pattern (each rank holds a different shard)
         self.compute = compute if compute is not None else ImmediateCompute()
         _check_fits(engine, num_gpu_blocks or engine.num_gpu_blocks)
         self.block_size = engine.block_size
         self.num_gpu_blocks = num_gpu_blocks or engine.num_gpu_blocks
         self.dtype = _DTYPES[engine.dtype]
-        self.shape = (engine.num_layers, 2, engine.num_kv_heads, engine.head_dim)
+        num_heads = engine.num_kv_heads if heads is None else heads[1]
+        self.shape = (engine.num_layers, 2, num_heads, engine.head_dim)
         self.kv_caches: dict[str, torch.Tensor] = {
             f"model.layers.{i}.self_attn.attn": self.compute.alloc(
-                (2, self.num_gpu_blocks, self.block_size, engine.num_kv_heads, engine.head_dim), self.dtype)
+                (2, self.num_gpu_blocks, self.block_size, num_heads, engine.head_dim), self.dtype)
             for i in range(engine.num_layers)
         }
-        token_values = engine.num_kv_heads * engine.head_dim
+        token_values = num_heads * engine.head_dim
         self._blocks = [t.view(2, self.num_gpu_blocks, -1) for t in self.kv_caches.values()]  # a block a row
         self._flat = [t.view(2, -1, token_values) for t in self.kv_caches.values()]  # a token a row
-        self.expected = ExpectedKV(self.shape, self.block_size, self.dtype, rank)
+        self.expected = ExpectedKV(self.shape, self.block_size, self.dtype, rank,
+                                   None if heads is None else (heads[0], engine.num_kv_heads))
         window = engine.sliding_window
         self.groups = (KVGroup(0),) if window is None else (KVGroup(0), KVGroup(1, window=window))
         layers = range(engine.num_layers)

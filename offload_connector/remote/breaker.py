@@ -76,7 +76,7 @@ class RemoteCounters:
 
     lookups: int = 0  # pipelined existence checks sent
     lookup_blocks: int = 0  # blocks asked about
-    lookup_hit_blocks: int = 0  # blocks found (every rank's key present), before the first miss
+    lookup_hit_blocks: int = 0  # blocks found (every part of it present), before the first miss
     lookup_timeouts: int = 0  # requests that stopped waiting after timeout_ms
     lookups_skipped: int = 0  # CPU misses not asked about: breaker open or too many requests waiting
     fetched_blocks: int = 0  # blocks fetched into the host pool and verified

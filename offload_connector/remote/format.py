@@ -1,13 +1,27 @@
 """Keys and values of the remote tier (shared by both sides; imports only the shared
 `tier_identity`, no torch).
 
-Key, one per block per tensor-parallel rank:
-    <namespace>:v1:<model fingerprint>:<layout fingerprint>:tp<rank>of<size>:g<group>:<block hash hex>
+Key, one per *part* of a block:
+    <namespace>:v1:<model fingerprint>:<layout fingerprint>:<part>:g<group>:<block hash hex>
+A block is on the server when every one of its parts is (`BlockParts.labels`). The parts are, by the
+identity (tier_identity.py):
+- per KV head (`identity.kv_heads` = H > 0): parts `h0ofH` .. `h<H-1>ofH`, one per head of the whole
+  model, the part's bytes that head's slice of the block (worker_side/tiers/head_rows.py); a rank writes
+  and reads the parts of its heads only, so instances of any tensor-parallel size share every block;
+- per rank (`kv_heads` = 0): parts `tp<rank>of<size>`, a rank's whole block bytes in host-pool order
+  (`HostPool[cpu_block_id]`); instances share only with the same TP size.
 The cache key the connector uses is the block hash followed by the 4-byte group id (hashing.py), so the
 chained hash (cache salt included) keeps tenants apart exactly as on the CPU tier. The fingerprints come
 from the `TierIdentity` the adapter builds (tier_identity.py): instances share only byte-compatible blocks.
 
-Value: a 24-byte header, then the block's bytes for that rank (host-pool order: `HostPool[cpu_block_id]`):
+Why one record per head rather than one record per block written in slices (SETRANGE): a record is
+complete the moment it exists, so EXISTS answers "every byte is there" with no marker, no script and no
+partial record a reader must tell from a whole one; each part carries its own checksum, verified alone;
+SET NX EX keeps its meaning (first writer wins, TTL set atomically); and a block half written (one rank's
+heads only) is simply a missing part. The cost is one key and one pipelined command per head instead of
+per rank: docs/benchmarks.md measures it.
+
+Value: a 24-byte header, then the part's bytes:
     magic b"OCKV" | version u16 | reserved u16 | payload length u64 | checksum u64   (little endian)
 The checksum is xxh3-64 of the payload seeded with xxh3-64 of the key, so a value copied under another
 key fails too. A value whose magic, version, length or checksum does not match is a miss (`decode_value`
@@ -17,10 +31,11 @@ returns why), and the caller deletes it.
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 
 import xxhash
 
-from offload_connector.tier_identity import TierIdentity
+from offload_connector.tier_identity import TierIdentity, rank_heads
 
 MAGIC = b"OCKV"
 VERSION = 1
@@ -33,10 +48,38 @@ def key_prefix(identity: TierIdentity, namespace: str) -> str:
     return f"{namespace}:v{VERSION}:{identity.model_fingerprint()}:{identity.layout_fingerprint()}"
 
 
-def block_key(prefix: str, rank: int, world_size: int, cache_key: bytes) -> bytes:
-    """The server key of one block (`cache_key`: block hash + 4-byte group id) for one rank."""
+def block_key(prefix: str, part: str, cache_key: bytes) -> bytes:
+    """The server key of one part (a `BlockParts` label) of one block (`cache_key`: block hash + 4-byte
+    group id)."""
     group = int.from_bytes(cache_key[-4:], "big")
-    return f"{prefix}:tp{rank}of{world_size}:g{group}:{cache_key[:-4].hex()}".encode()
+    return f"{prefix}:{part}:g{group}:{cache_key[:-4].hex()}".encode()
+
+
+def rank_labels(world_size: int) -> tuple[str, ...]:
+    """The parts of a block stored per rank (`kv_heads` = 0)."""
+    return tuple(f"tp{r}of{world_size}" for r in range(world_size))
+
+
+@dataclass(frozen=True, slots=True)
+class BlockParts:
+    """The parts every block has on the server (`labels`, the lookups check them all) and the ones this
+    rank writes and reads (`labels[first:last]`, in the order of its bytes)."""
+
+    labels: tuple[str, ...]
+    first: int
+    last: int
+
+    @classmethod
+    def of(cls, identity: TierIdentity, rank: int, world_size: int) -> BlockParts:
+        if identity.kv_heads:
+            first, last = rank_heads(identity.kv_heads, rank, world_size)
+            heads = identity.kv_heads
+            return cls(tuple(f"h{h}of{heads}" for h in range(heads)), first, last)
+        return cls(rank_labels(world_size), rank, rank + 1)
+
+    @property
+    def mine(self) -> tuple[str, ...]:
+        return self.labels[self.first:self.last]
 
 
 def checksum(key: bytes, payload: bytes | memoryview) -> int:
@@ -45,7 +88,7 @@ def checksum(key: bytes, payload: bytes | memoryview) -> int:
 
 def encode_value(key: bytes, payload: bytes | memoryview) -> bytes:
     """Header + payload, ready for SET."""
-    return HEADER.pack(MAGIC, VERSION, 0, len(payload), checksum(key, payload)) + bytes(payload)
+    return b"".join((HEADER.pack(MAGIC, VERSION, 0, len(payload), checksum(key, payload)), payload))
 
 
 def decode_value(key: bytes, blob: bytes, expected_len: int) -> tuple[memoryview | None, str]:

@@ -189,6 +189,13 @@ def kv_tp_replicas(kv_cache_config: Any) -> int:
     return int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1)
 
 
+def spec_kv_heads(spec: Any) -> int | None:
+    """The KV heads one rank's pages of a KV-cache spec hold, or None for a spec without heads (Mamba
+    state). 0.32, 0.33: `AttentionSpec.num_kv_heads` (1 for MLA's latent); `MambaSpec` has none."""
+    heads = getattr(spec, "num_kv_heads", None)
+    return None if heads is None else int(heads)
+
+
 def uses_mla(vllm_config: Any) -> bool:
     """Whether the model runs MLA attention. 0.32, 0.33: the `ModelConfig.use_mla` property; False for a
     config without a model config (built by hand)."""

@@ -222,10 +222,13 @@ def test_tensor_parallel_and_write_back_restarts(tmp_path, tp, write):
     assert cb["read_blocks"] == tp * cb["lookup_hit_blocks"]
 
 
-def test_a_restart_with_another_tp_size_reads_nothing(tmp_path):
+@pytest.mark.parametrize("shard_heads", [False, True])
+def test_a_restart_with_another_tp_size_reads_nothing(tmp_path, shard_heads):
+    # the disk tier keeps records per rank (one engine's directory): a TP 2 engine, even of the same
+    # head-sharded model (shard_heads: the remote tier would share), misses cleanly on a TP 1 directory
     fill(tmp_path / "disk")
     wl = one_per_prefix("b", SHARED, 2)
-    with FakeEngine(disk_config(tmp_path / "disk"), tp_size=2) as b:
+    with FakeEngine(disk_config(tmp_path / "disk"), tp_size=2, shard_heads=shard_heads) as b:
         assert b.connector.tiers["disk"].wait_scan(30)
         run_workload(b, wl)
         clean(b)

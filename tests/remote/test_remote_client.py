@@ -14,12 +14,14 @@ from offload_connector.remote.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBre
 from offload_connector.remote.client import RemoteClient
 from offload_connector.remote.format import (
     HEADER_BYTES,
+    BlockParts,
     block_key,
     decode_value,
     encode_value,
     key_prefix,
+    rank_labels,
 )
-from offload_connector.tier_identity import TierIdentity
+from offload_connector.tier_identity import HeadSplitError, TierIdentity, rank_heads
 from scheduler_side.tiers.remote.lookups import RemoteLookups
 
 IDENTITY = TierIdentity(model="m", block_size=16, hash_algo="xxh3_128", layout="2x(2,16,2,8) float16")
@@ -72,9 +74,9 @@ def test_password_never_shows_in_errors() -> None:
 def test_keys_separate_ranks_groups_models_and_layouts() -> None:
     prefix = key_prefix(IDENTITY, "oc")
     key = bytes(range(16)) + (3).to_bytes(4, "big")
-    k = block_key(prefix, 1, 2, key)
+    k = block_key(prefix, "tp1of2", key)
     assert k.startswith(b"oc:v1:") and k.endswith(b":tp1of2:g3:" + bytes(range(16)).hex().encode())
-    assert block_key(prefix, 0, 2, key) != k
+    assert block_key(prefix, "tp0of2", key) != k
     other_model = TierIdentity(model="m2", block_size=16, hash_algo="xxh3_128", layout=IDENTITY.layout)
     other_layout = TierIdentity(model="m", block_size=16, hash_algo="xxh3_128", layout="other")
     assert len({prefix, key_prefix(other_model, "oc"), key_prefix(other_layout, "oc"), key_prefix(IDENTITY, "x")}) == 4
@@ -203,7 +205,7 @@ def test_server_down_then_back_recovers_by_itself(redis_server) -> None:  # noqa
 def test_cluster_pipelines_span_slots(redis_cluster) -> None:  # noqa: F811
     client = RemoteClient(remote_cfg([n.url for n in redis_cluster]))
     prefix = key_prefix(IDENTITY, "oc")
-    keys = [block_key(prefix, 0, 1, bytes([i]) * 16 + b"\0\0\0\0") for i in range(40)]
+    keys = [block_key(prefix, "tp0of1", bytes([i]) * 16 + b"\0\0\0\0") for i in range(40)]
     assert client.set_nx_many([(k, k[-8:]) for k in keys], 60) == [True] * 40
     assert client.get_many(keys) == [k[-8:] for k in keys]
     assert client.exists_flags(keys + [b"absent"]) == [True] * 40 + [False]
@@ -215,11 +217,11 @@ def test_cluster_pipelines_span_slots(redis_cluster) -> None:  # noqa: F811
 
 def test_lookups_batch_questions_and_stop_at_each_ones_first_miss(redis_server) -> None:  # noqa: F811
     client = RemoteClient(remote_cfg(redis_server.url))
-    lookups = RemoteLookups(client, "p", world_size=2)
+    lookups = RemoteLookups(client, "p", rank_labels(2))
     hashes = [bytes([i]) * 16 for i in range(150)]
-    keys = [block_key("p", r, 2, with_group_id(h, 0)) for h in hashes[:70] for r in range(2)]
-    keys.append(block_key("p", 0, 2, with_group_id(hashes[70], 0)))  # block 70: rank 1's key is missing
-    keys += [block_key("p", r, 2, with_group_id(h, 0)) for h in hashes[71:] for r in range(2)]
+    keys = [block_key("p", r, with_group_id(h, 0)) for h in hashes[:70] for r in rank_labels(2)]
+    keys.append(block_key("p", "tp0of2", with_group_id(hashes[70], 0)))  # block 70: rank 1's key is missing
+    keys += [block_key("p", r, with_group_id(h, 0)) for h in hashes[71:] for r in rank_labels(2)]
     assert client.set_nx_many([(k, b"v") for k in keys], 60) == [True] * len(keys)
     tickets = [lookups.submit(hashes, 0), lookups.submit(hashes[:5], 0), lookups.submit([b"\xff" * 16], 0),
                lookups.submit(hashes, 1)]  # another group: other keys
@@ -245,7 +247,7 @@ def test_server_memory_reads_used_and_max_from_the_server(redis_server) -> None:
     used, limit = client.server_memory()
     assert 0 < used < limit
     assert limit == 64 * 2**20  # the fixture's maxmemory 64mb
-    lookups = RemoteLookups(RemoteClient(remote_cfg(redis_server.url)), "p", world_size=1)
+    lookups = RemoteLookups(RemoteClient(remote_cfg(redis_server.url)), "p", rank_labels(1))
     try:
         for _ in range(10_000):  # the thread reads the figures at once, then every MEMORY_POLL_S
             if lookups.server_memory != (0, 0):
@@ -269,3 +271,19 @@ def test_server_memory_is_none_while_the_server_is_down_and_leaves_the_breaker_a
     assert client.breaker.state == CLOSED and client.counters.errors == 0
     client.breaker.on_failure()  # opened by a lookup: the poll asks nothing
     assert client.breaker.state == OPEN and client.server_memory() is None
+
+
+def test_parts_per_head_are_keyed_without_the_rank_and_split_like_vllm() -> None:
+    per_head = TierIdentity(model="m", block_size=16, hash_algo="xxh3_128", layout="l", kv_heads=8)
+    assert BlockParts.of(per_head, 0, 1).mine == tuple(f"h{h}of8" for h in range(8))
+    assert [BlockParts.of(per_head, r, 2).mine for r in range(2)] == [("h0of8", "h1of8", "h2of8", "h3of8"),
+                                                                     ("h4of8", "h5of8", "h6of8", "h7of8")]
+    assert all(BlockParts.of(per_head, r, t).labels == BlockParts.of(per_head, 0, 1).labels
+               for t in (2, 4, 8) for r in range(t))  # the lookups check the same keys at any TP
+    assert [rank_heads(2, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # fewer heads: replicated
+    assert [rank_heads(1, r, 2) for r in range(2)] == [(0, 1), (0, 1)]  # MLA's latent: every rank, one record
+    with pytest.raises(HeadSplitError):
+        rank_heads(6, 0, 4)
+    per_rank = TierIdentity(model="m", block_size=16, hash_algo="xxh3_128", layout="l")
+    assert BlockParts.of(per_rank, 1, 2).labels == rank_labels(2) and BlockParts.of(per_rank, 1, 2).mine == ("tp1of2",)
+    assert key_prefix(per_head, "oc") != key_prefix(per_rank, "oc")  # the identity's fingerprint names the split

@@ -15,7 +15,7 @@ from offload_connector.fake_engine.engine import tier_identity
 from offload_connector.fake_engine.workload import run_workload
 from offload_connector.hashing import hash_request_tokens, with_group_id
 from offload_connector.remote.breaker import OPEN
-from offload_connector.remote.format import block_key, decode_value, key_prefix
+from offload_connector.remote.format import BlockParts, block_key, decode_value, key_prefix
 
 SHARED = prefixes(7, 6)
 
@@ -114,14 +114,16 @@ def test_corrupted_value_is_a_miss_and_deleted(redis_server) -> None:  # noqa: F
     assert seed_server(redis_server.url) > 0
     cfg = remote_config(redis_server.url)
     first_block = with_group_id(hash_request_tokens(SHARED[0], cfg.engine.block_size)[0], 0)
-    victim = block_key(key_prefix(tier_identity(cfg), "t"), 0, 1, first_block).decode()  # B asks for it
+    part = BlockParts.of(tier_identity(cfg), 0, 1).labels[0]  # the first KV head's part
+    victim = block_key(key_prefix(tier_identity(cfg), "t"), part, first_block).decode()  # B asks for it
     redis_server.cli("SETRANGE", victim, "40", "X")  # one payload byte changed; the header is intact
     engine, _ = run_b(redis_server.url)
     assert worker_counter(engine, "corrupt_blocks") == 1
     # deleted, then B computed the block and wrote it again: the value is valid now
     redis = pytest.importorskip("redis")
     blob = redis.Redis(port=redis_server.port).get(victim)
-    assert decode_value(victim.encode(), blob, engine.worker.bytes_per_block)[1] == ""
+    part_bytes = engine.worker.bytes_per_block // engine.config.engine.num_kv_heads  # one head's part
+    assert decode_value(victim.encode(), blob, part_bytes)[1] == ""
     assert worker_counter(engine, "fetched_blocks") > 0  # the other blocks were still used
     engine.close()
 
@@ -153,10 +155,10 @@ def test_no_server_at_all(url) -> None:
 def test_a_failing_fetch_path_is_a_miss_not_a_stuck_request(redis_server, monkeypatch) -> None:  # noqa: F811
     assert seed_server(redis_server.url) > 0
 
-    def broken(self, cpu_block_id, payload):
+    def broken(self, cpu_block_id, payloads):
         raise RuntimeError("injected: the host-pool write fails")
 
-    monkeypatch.setattr("worker_side.tiers.remote_io.HostRows.write", broken)
+    monkeypatch.setattr("worker_side.tiers.remote_io.HeadRows.write_parts", broken)
     engine, _ = run_b(redis_server.url)  # finishes, every block verified, outputs unchanged
     assert engine.stats.cpu_hit_tokens == 0 and worker_counter(engine, "errors") > 0
     assert engine.connector.tiers["remote"].counters.lookup_hit_blocks > 0  # found, fetched, refused: recomputed

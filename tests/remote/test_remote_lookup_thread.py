@@ -14,6 +14,7 @@ import time
 import pytest
 
 from offload_connector.remote.breaker import RemoteCounters
+from offload_connector.remote.format import rank_labels
 from scheduler_side.tiers.remote.lookups import BLOCKS_PER_ROUND, MAX_QUESTIONS_PER_ROUND, RemoteLookups
 
 pytest.importorskip("redis", reason="the remote tier's client needs the `redis` package")
@@ -85,7 +86,7 @@ def client():
 
 @pytest.fixture
 def lookups(client):
-    lk = RemoteLookups(client, "ns:v1:m:l", world_size=1)
+    lk = RemoteLookups(client, "ns:v1:m:l", rank_labels(1))
     yield lk
     client.gate.set()
     lk.close()
@@ -131,7 +132,7 @@ def test_cancelling_an_answered_question_forgets_its_answer(client) -> None:
     """`cancel` of a question already answered drops the answer (it is never taken) and keeps nothing.
 
     Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
-    lookups = RemoteLookups(client, "p", 1)
+    lookups = RemoteLookups(client, "p", rank_labels(1))
     ticket = lookups.submit(hashes(14, 2), 0)
     lookups.close()  # the thread answers everything queued before it stops
     lookups.cancel(ticket)
@@ -191,7 +192,7 @@ def test_the_thread_cpu_time_adds_up_over_rounds(client, lookups) -> None:
 def test_a_question_answered_in_full_takes_no_extra_round() -> None:
     """Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
     client = StandInClient()
-    lookups = RemoteLookups(client, "ns", world_size=1)
+    lookups = RemoteLookups(client, "ns", rank_labels(1))
     try:
         assert answer(lookups, lookups.submit(hashes(1, BLOCKS_PER_ROUND), 0)) == BLOCKS_PER_ROUND
         assert [len(call) for call in client.calls] == [1]
@@ -202,7 +203,7 @@ def test_a_question_answered_in_full_takes_no_extra_round() -> None:
 def test_a_question_cancelled_during_its_round_leaves_nothing_behind() -> None:
     """Found by mutation testing of scheduler_side/tiers/remote/lookups.py (docs/mutation.md)."""
     client = StandInClient()
-    lookups = RemoteLookups(client, "ns", world_size=1)
+    lookups = RemoteLookups(client, "ns", rank_labels(1))
     try:
         client.gate.clear()
         ticket = lookups.submit(hashes(2, 2), 0)
@@ -222,7 +223,7 @@ def test_close_returns_while_the_server_does_not_answer() -> None:
     client = StandInClient()
     client.gate.clear()
     client.gate_timeout = None  # stalled until the test lets it go
-    lookups = RemoteLookups(client, "ns", world_size=1)
+    lookups = RemoteLookups(client, "ns", rank_labels(1))
     lookups.submit(hashes(4, 1), 0)
     assert client.entered.wait(30)
     closer = threading.Thread(target=lookups.close)
@@ -261,7 +262,7 @@ def test_a_stalled_memory_poll_never_delays_a_lookup() -> None:
     """The gauges' INFO memory has a connection and a thread of its own: while it hangs on a stalled server,
     questions are still asked and answered (with one thread, they waited behind it and timed out unasked)."""
     client = StalledMemory()
-    lookups = RemoteLookups(client, "oc", world_size=1)
+    lookups = RemoteLookups(client, "oc", rank_labels(1))
     try:
         assert client.memory_asked.wait(WAIT_S)  # the poll is hanging now
         assert answer(lookups, lookups.submit(hashes(1, 3), 0)) == 3

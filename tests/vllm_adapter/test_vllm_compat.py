@@ -258,6 +258,12 @@ def test_replicated_kv_and_one_host_read_what_vllm_resolves(vllm_module) -> None
     assert "distributed_executor_backend" in {f.name for f in dataclasses.fields(ParallelConfig)}
     assert compat.kv_tp_replicas(SimpleNamespace(kv_tp_replicas=2)) == 2
     assert compat.kv_tp_replicas(SimpleNamespace()) == 1  # built without the engine core
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+
+    assert "num_kv_heads" in {f.name for f in dataclasses.fields(AttentionSpec)}
+    assert "num_kv_heads" not in {f.name for f in dataclasses.fields(MambaSpec)}
+    assert compat.spec_kv_heads(SimpleNamespace(num_kv_heads=4)) == 4
+    assert compat.spec_kv_heads(SimpleNamespace()) is None  # Mamba state: no heads
     parallel = SimpleNamespace(distributed_executor_backend="mp", nnodes=1)
     assert compat.workers_on_one_host(parallel)
     assert not compat.workers_on_one_host(SimpleNamespace(distributed_executor_backend="ray", nnodes=1))

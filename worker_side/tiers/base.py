@@ -21,13 +21,14 @@ threads of your own and report what finished):
 Ownership of host-pool rows (the scheduler's side of it: scheduler_side/tiers/base.py):
 - a fetch's rows are the tier I/O's alone from `submit_fetch` until its event appears in a report: the
   scheduler holds them and no load, store or other fetch touches them. Write only those rows. A row not
-  listed in `failed_fetch_cpu_blocks` must hold exactly the bytes once written under its key for this
-  rank, verified (length, checksum, the identity's fingerprints): anything else is a failed block, never
-  KV. Every submitted event is reported exactly once, also when the tier failed (then every block failed).
+  listed in `failed_fetch_cpu_blocks` must hold exactly this rank's bytes of the block once written under
+  its key (by this rank, or by the ranks of any instance holding the same heads: records per KV head),
+  verified (length, checksum, the identity's fingerprints): anything else is a failed block, never KV. Every submitted event is reported exactly once, also when the tier failed (then every block failed).
 - a write owns nothing: `write` must copy the rows' bytes before it returns (the scheduler reuses the
   blocks right after); writing them to the tier later, or dropping them (full, broken), is the tier's
   business, counted in its counters.
-`host_rows.HostRows` reads and writes a whole block of the host pool as bytes, in host-pool order.
+`host_rows.HostRows` reads and writes a whole block of the host pool as bytes, in host-pool order;
+`head_rows.HeadRows` reads and writes it as one part per KV head, the same bytes at any TP.
 """
 
 from __future__ import annotations

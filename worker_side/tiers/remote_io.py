@@ -1,15 +1,23 @@
 """`RemoteWorkerIO`: one rank's traffic with the remote tier, the Redis tier's `TierIO` (tiers/base.py):
 fetches (server -> host pool) and writes (host pool -> server).
 
+A block is several records on the server, its parts (remote/format.py `BlockParts`): one per KV head of
+the model when the identity says how the heads split (`kv_heads`), this rank writing and reading the parts
+of its heads (`HeadRows`: a head's bytes are the same at any TP, so instances of any TP share blocks), or
+else one per rank (this rank's whole block). A block is fetched when every one of this rank's parts is
+there and verified; it is on the server (for the report) when every one of them was written or found.
+
 Two daemon threads, each with its own `RemoteClient`, sharing one breaker and one `RemoteCounters`:
-- the fetch thread takes fetch jobs (event id, CPU block ids, cache keys), GETs this rank's keys in
-  pipelined batches, checks each value (`remote_format.decode_value`: header, length = the pool's
-  `bytes_per_block`, checksum) and copies good payloads into the host pool's rows. A missing, refused or
-  corrupt value fails that block (a corrupt one is also deleted from the server). Results are polled.
+- the fetch thread takes fetch jobs (event id, CPU block ids, cache keys), GETs this rank's parts' keys in
+  pipelined batches, checks each value (`remote_format.decode_value`: header, length = a part's bytes,
+  checksum seeded with its key) and copies the parts of blocks whose every part is good into the host
+  pool's rows. A missing, refused or corrupt part fails its block (a corrupt one is also deleted from the
+  server). Results are polled.
   Invariant: a job writes only its own CPU blocks, which the scheduler holds (reserved) until it has seen
   every rank's result, so nobody else reads or writes those rows meanwhile.
-- the write thread drains a queue of (key, payload) snapshots with pipelined `SET key value NX EX ttl`;
-  the cache keys of blocks now on the server (written, or there already) go into the next report.
+- the write thread drains a queue of per-block snapshots (each part's key and payload) with pipelined
+  `SET key value NX EX ttl`; the cache keys of blocks now on the server (every part written, or there
+  already) go into the next report.
   `write` copies the blocks' bytes out of the host pool on the caller's thread, at store completion,
   before the scheduler can hear of it and reuse the blocks: a write never reads a row that changed.
   The queue holds at most `max_inflight_bytes` of payload; beyond it, or while the breaker is open, blocks
@@ -30,11 +38,18 @@ from offload_connector.metadata import TierReport
 from offload_connector.remote.breaker import CircuitBreaker, RemoteCounters
 from offload_connector.remote.client import RemoteClient
 from offload_connector.remote.config import RemoteConfig
-from offload_connector.remote.format import block_key, decode_value, encode_value, key_prefix
+from offload_connector.remote.format import (
+    BlockParts,
+    block_key,
+    decode_value,
+    encode_value,
+    key_prefix,
+    rank_labels,
+)
 from offload_connector.tier_identity import TierIdentity
 from worker_side.host_pool import HostPool
 from worker_side.tiers.base import TierIO
-from worker_side.tiers.host_rows import HostRows
+from worker_side.tiers.head_rows import HeadRows
 
 logger = logging.getLogger(__name__)
 BATCH_BLOCKS = 64  # at most this many blocks per pipelined round trip ...
@@ -55,9 +70,13 @@ class FetchResult:
 class RemoteWorkerIO(TierIO):
     name = "remote"
 
-    def __init__(self, remote: RemoteConfig, key_prefix: str, rank: int, world_size: int, pool: HostPool) -> None:
+    def __init__(self, remote: RemoteConfig, key_prefix: str, rank: int, world_size: int, pool: HostPool,
+                 parts: BlockParts | None = None) -> None:
+        """`parts`: the block's parts on the server and this rank's (default: one per rank)."""
         self.remote, self.prefix, self.rank, self.world_size = remote, key_prefix, rank, world_size
-        self.rows = HostRows(pool)
+        self.parts = parts if parts is not None else BlockParts(rank_labels(world_size), rank, rank + 1)
+        self.labels = self.parts.mine
+        self.rows = HeadRows(pool, len(self.labels))
         self.counters = RemoteCounters()
         self.breaker = CircuitBreaker(remote.breaker_backoff_ms / 1000, remote.breaker_max_backoff_ms / 1000)
         self._fetch_client = RemoteClient(remote, self.counters, self.breaker)
@@ -66,7 +85,7 @@ class RemoteWorkerIO(TierIO):
         self._results: list[FetchResult] = []
         self._lock = threading.Condition()
         self._fetches_in_flight = 0
-        self._writes: deque[tuple[bytes, bytes, bytes]] = deque()
+        self._writes: deque[tuple[bytes, list[tuple[bytes, memoryview]]]] = deque()  # cache key, parts
         self._write_bytes = 0  # payload bytes queued or being written
         self._closed = False
         self._reported: dict[str, int] = {}  # counters at the last take_counter_deltas
@@ -79,10 +98,12 @@ class RemoteWorkerIO(TierIO):
     @classmethod
     def create(cls, section: RemoteConfig, identity: TierIdentity, rank: int, world_size: int,
                pool: HostPool) -> RemoteWorkerIO:
-        return cls(section, key_prefix(identity, section.namespace), rank, world_size, pool)
+        return cls(section, key_prefix(identity, section.namespace), rank, world_size, pool,
+                   BlockParts.of(identity, rank, world_size))
 
-    def key(self, cache_key: bytes) -> bytes:
-        return block_key(self.prefix, self.rank, self.world_size, cache_key)
+    def keys(self, cache_key: bytes) -> list[bytes]:
+        """The server keys of this rank's parts of one block, in the order of its parts."""
+        return [block_key(self.prefix, label, cache_key) for label in self.labels]
 
     # ---- fetch ---------------------------------------------------------------------------------------
     def submit_fetch(self, event_id: int, cpu_block_ids: Sequence[int], cache_keys: Sequence[bytes]) -> None:
@@ -91,7 +112,7 @@ class RemoteWorkerIO(TierIO):
                              "(scheduler bug)")
         with self._lock:
             self._fetches_in_flight += 1
-        self._fetch_jobs.put((event_id, list(cpu_block_ids), [self.key(k) for k in cache_keys]))
+        self._fetch_jobs.put((event_id, list(cpu_block_ids), [self.keys(k) for k in cache_keys]))
 
     def poll(self) -> list[FetchResult]:
         with self._lock:
@@ -123,28 +144,36 @@ class RemoteWorkerIO(TierIO):
                 self._fetches_in_flight -= 1
                 self._lock.notify_all()
 
-    def _fetch_batch(self, cpu_ids: list[int], keys: list[bytes], result: FetchResult) -> None:
-        values = self._fetch_client.get_many(keys)
+    def _fetch_batch(self, cpu_ids: list[int], key_lists: list[list[bytes]], result: FetchResult) -> None:
+        values = self._fetch_client.get_many([k for keys in key_lists for k in keys])
         if values is None:
             result.failed_cpu_ids.extend(cpu_ids)
             return
-        corrupt = []
-        counters, rows = self.counters, self.rows
-        for cpu_id, key, blob in zip(cpu_ids, keys, values, strict=True):
-            if blob is None:
-                counters.fetch_miss_blocks += 1
+        corrupt: list[bytes] = []
+        counters, rows, n = self.counters, self.rows, len(self.labels)
+        for i, (cpu_id, keys) in enumerate(zip(cpu_ids, key_lists, strict=True)):
+            payloads, bad, missing = [], False, False
+            for key, blob in zip(keys, values[i * n:(i + 1) * n], strict=True):
+                if blob is None:
+                    missing = True
+                    continue
+                payload, why = decode_value(key, blob, rows.part_bytes)
+                if payload is None:
+                    logger.warning("remote value %s refused (%s); deleting it", key.decode(errors="replace"), why)
+                    corrupt.append(key)
+                    bad = True
+                    continue
+                payloads.append(payload)
+            if bad or missing:
+                if bad:
+                    counters.corrupt_blocks += 1
+                else:
+                    counters.fetch_miss_blocks += 1
                 result.failed_cpu_ids.append(cpu_id)
                 continue
-            payload, why = decode_value(key, blob, rows.bytes_per_block)
-            if payload is None:
-                counters.corrupt_blocks += 1
-                logger.warning("remote value %s refused (%s); deleting it", key.decode(errors="replace"), why)
-                corrupt.append(key)
-                result.failed_cpu_ids.append(cpu_id)
-                continue
-            rows.write(cpu_id, payload)
+            rows.write_parts(cpu_id, payloads)
             counters.fetched_blocks += 1
-            counters.fetched_bytes += len(payload)
+            counters.fetched_bytes += rows.bytes_per_block
         if corrupt:
             self._fetch_client.delete(corrupt)
 
@@ -160,7 +189,9 @@ class RemoteWorkerIO(TierIO):
                 if self._write_bytes + size > limit:
                     self.counters.dropped_writes += 1
                     continue
-                self._writes.append((cache_key, self.key(cache_key), self.rows.read(int(cpu_id))))
+                parts = self.rows.read_parts(int(cpu_id))
+                self._writes.append((cache_key, [(k, memoryview(p)) for k, p in
+                                                 zip(self.keys(cache_key), parts, strict=True)]))
                 self._write_bytes += size
             self._lock.notify_all()
 
@@ -171,11 +202,10 @@ class RemoteWorkerIO(TierIO):
                     self._lock.wait()
                 if self._closed:
                     return
-                batch, nbytes, step = [], 0, batch_blocks(self.rows.bytes_per_block)
+                batch, step = [], batch_blocks(self.rows.bytes_per_block)
                 while self._writes and len(batch) < step:
-                    item = self._writes.popleft()
-                    batch.append(item)
-                    nbytes += len(item[2])
+                    batch.append(self._writes.popleft())
+                nbytes = len(batch) * self.rows.bytes_per_block
             try:
                 self._write_batch(batch)
             except Exception:  # noqa: BLE001 - our bug; the queue must keep draining (wait_idle waits on it)
@@ -185,25 +215,29 @@ class RemoteWorkerIO(TierIO):
                 self._write_bytes -= nbytes
                 self._lock.notify_all()
 
-    def _write_batch(self, batch: list[tuple[bytes, bytes, bytes]]) -> None:
-        """(cache key, server key, payload) per block; the blocks now on the server join `_on_server`."""
-        replies = self._write_client.set_nx_many([(k, encode_value(k, p)) for _, k, p in batch],
+    def _write_batch(self, batch: list[tuple[bytes, list[tuple[bytes, memoryview]]]]) -> None:
+        """(cache key, [(server key, payload) per part]) per block; the blocks whose every part is now on the
+        server join `_on_server`."""
+        replies = self._write_client.set_nx_many([(k, encode_value(k, p)) for _, parts in batch for k, p in parts],
                                                  self.remote.ttl_seconds)
         counters = self.counters
         if replies is None:
             counters.dropped_writes += len(batch)
             return
-        on_server = []
-        for (cache_key, _, payload), reply in zip(batch, replies, strict=True):
-            if reply is True:
-                counters.written_blocks += 1
-                counters.written_bytes += len(payload)
-                on_server.append(cache_key)
-            elif reply is False:
-                counters.write_exists += 1
-                on_server.append(cache_key)
-            else:
+        on_server, i = [], 0
+        for cache_key, parts in batch:
+            block_replies = replies[i:i + len(parts)]
+            i += len(parts)
+            if any(r is None for r in block_replies):
                 counters.dropped_writes += 1  # refused by the server (e.g. OOM): counted in errors too
+                continue
+            written = [len(p) for (_, p), r in zip(parts, block_replies, strict=True) if r is True]
+            if written:
+                counters.written_blocks += 1
+                counters.written_bytes += sum(written)
+            else:
+                counters.write_exists += 1
+            on_server.append(cache_key)
         with self._lock:
             self._on_server.extend(on_server)
 

@@ -3,7 +3,8 @@ the server's memory gauges).
 
 `submit(block_hashes, group_id)` queues a question and returns a ticket at once (the scheduler thread
 never waits on the network); the thread asks the server how many of those blocks exist for every rank,
-from the first (`RemoteClient.leading_present`: the server stops at the first missing block), and files
+from the first (a block is there when every one of its parts' keys is, remote/format.py
+`BlockParts`; `RemoteClient.leading_present`: the server stops at the first missing block), and files
 the answer. Questions waiting together are asked in one round trip per batch, not per request (redis-py's
 per-command cost was most of the thread's CPU time); `take(ticket)` returns it once (the number of leading
 blocks present), or None while it is not there. `cancel(ticket)` forgets a question whose request stopped
@@ -34,8 +35,11 @@ MEMORY_POLL_S = 10.0  # how often the server's INFO memory is read (gauges only)
 
 
 class RemoteLookups:
-    def __init__(self, client: RemoteClient, key_prefix: str, world_size: int) -> None:
-        self.client, self.prefix, self.world_size = client, key_prefix, world_size
+    def __init__(self, client: RemoteClient, key_prefix: str, parts: Sequence[str]) -> None:
+        """`parts`: the labels of every part a block has on the server (`BlockParts.labels`)."""
+        if not parts:
+            raise ValueError("RemoteLookups needs the labels of a block's parts (our bug)")
+        self.client, self.prefix, self.parts = client, key_prefix, tuple(parts)
         self._tickets = itertools.count()
         self._questions: queue.SimpleQueue = queue.SimpleQueue()
         self._answers: dict[int, int] = {}
@@ -112,7 +116,7 @@ class RemoteLookups:
     def _answer_all(self, questions: list[tuple[int, Sequence[bytes], int]]) -> None:
         """Answer every question, `BLOCKS_PER_ROUND` blocks of each per pipelined round trip, asking a
         question's next blocks only while all of its blocks so far exist."""
-        prefix, world, client = self.prefix, self.world_size, self.client
+        prefix, parts, client = self.prefix, self.parts, self.client
         found = dict.fromkeys((t for t, _, _ in questions), 0)
         open_ = list(questions)
         while open_:
@@ -121,15 +125,15 @@ class RemoteLookups:
                 start = found[ticket]
                 chunk = hashes[start:start + BLOCKS_PER_ROUND]
                 spans.append((ticket, len(chunk)))
-                key_lists.append([block_key(prefix, r, world, with_group_id(h, group))
-                                  for h in chunk for r in range(world)])
+                key_lists.append([block_key(prefix, part, with_group_id(h, group))
+                                  for h in chunk for part in parts])
             present = client.leading_present(key_lists)
             still_open = []
             for i, ((ticket, n), question) in enumerate(zip(spans, open_, strict=True)):
                 client.counters.lookup_blocks += n
                 if present is None:
                     continue
-                run = present[i] // world  # a block counts when every rank's key exists
+                run = present[i] // len(parts)  # a block counts when every part's key exists
                 found[ticket] += run
                 if run == n == BLOCKS_PER_ROUND and found[ticket] < len(question[1]):
                     still_open.append(question)

@@ -13,7 +13,7 @@ GAUGES = ("breaker_open", "waiting_requests", "server_used_bytes", "server_max_b
 DESCRIPTIONS = {
     "lookups": "pipelined existence checks sent",
     "lookup_blocks": "blocks asked about",
-    "lookup_hit_blocks": "blocks found on the server (every rank's key)",
+    "lookup_hit_blocks": "blocks found on the server (every part's key)",
     "lookup_timeouts": "requests that stopped waiting after timeout_ms",
     "lookups_skipped": "CPU misses not asked about (breaker open or too many waiting)",
     "fetched_blocks": "blocks fetched into the CPU tier and verified (all ranks)",

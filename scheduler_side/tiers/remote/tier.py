@@ -3,9 +3,9 @@ and the fetches it brings in.
 
 Flow for one request (at most once per request; `_waits` holds its `RemoteWait` until `forget`):
 1. its CPU lookup misses at block i (not being stored): `start` asks the lookup thread which of blocks
-   i.. exist on the server (every rank's key) and the lookup answers None (ask again next step). Refused,
-   so the request goes on without the tier, when `max_waiting_requests` requests already wait or the breaker
-   is open.
+   i.. exist on the server (every part's key: remote/format.py `BlockParts`) and the lookup answers None
+   (ask again next step). Refused, so the request goes on without the tier, when `max_waiting_requests`
+   requests already wait or the breaker is open.
 2. later lookups call `waiting`: while no answer, wait (until `timeout_ms` since step 1: then no remote
    hit). An answer of n > 0 blocks allocates CPU blocks (evicting LRU ones), reserves them under the
    blocks' keys (as a store does: not hit-able yet) and adds them to this step's fetch event; the request
@@ -29,7 +29,7 @@ from offload_connector.hashing import with_group_id
 from offload_connector.metadata import TierOps, TierReport, TransferMetadata
 from offload_connector.remote.breaker import RemoteCounters
 from offload_connector.remote.config import RemoteConfig, redact, remote_urls
-from offload_connector.remote.format import key_prefix
+from offload_connector.remote.format import BlockParts, key_prefix
 from scheduler_side.pool.block_pool import BlockPool
 from scheduler_side.pool.free_queue import Block
 from scheduler_side.request_state import RequestState
@@ -98,7 +98,7 @@ class RemoteTier(LowerTier):
         from offload_connector.remote.client import RemoteClient
 
         lookups = RemoteLookups(RemoteClient(section), key_prefix(context.identity, section.namespace),
-                                context.world_size)
+                                BlockParts.of(context.identity, 0, context.world_size).labels)
         tier = cls(section, lookups, context.cpu_pool, context.allocate_cpu, context.world_size, context.group_id)
         tier.wants_cpu_evictions = section.write == "on_cpu_evict"
         return tier
