@@ -95,6 +95,9 @@ def model_kv_of(vllm_config: Any) -> ModelKV:
     model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     if model.is_attention_free:
         raise ModelConfigError("architectures", model.architectures, "a model with attention layers")
+    if getattr(model, "is_hybrid", False):  # Mamba/SSM layers: vLLM sizes their state pages, not the config
+        raise ModelConfigError("architectures", model.architectures, "a model without Mamba/SSM layers (a "
+                               "hybrid's CPU tier is sized from vLLM's KV spec when the connector starts)")
     num_layers = int(model.get_num_layers_by_block_type(parallel, "attention"))
     if num_layers < 1:
         raise ModelConfigError("num_hidden_layers", num_layers, "a model with attention layers")
