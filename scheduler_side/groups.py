@@ -2,9 +2,9 @@
 
 A hybrid model (vLLM's hybrid KV cache manager, "HMA") keeps one KV-cache group per attention kind, e.g.
 the sliding-window layers and the full-attention layers of Gemma 2/3 or gpt-oss, or the Mamba (SSM) layers
-and the attention layers of NemotronH, Granite 4 or Falcon-H1. vLLM shares one GPU block
-pool across the groups: a block id belongs to one group at a time and stands for that group's pages in
-every layer, so a CPU block holds one GPU block's pages whatever its group. Keys carry the group id
+and the attention layers of NemotronH, Granite 4 or Falcon-H1. vLLM shares one GPU block pool across the
+groups: a block id belongs to one group at a time and stands for that group's pages in every layer, so a
+CPU block holds one GPU block's pages whatever its group. Keys carry the group id
 (`hashing.group_suffix`), so the groups' copies of one prefix never collide.
 
 The window rule (vLLM 0.32's `SlidingWindowManager.get_num_skipped_tokens`): after `n` computed tokens,
@@ -76,9 +76,10 @@ def hybrid_hit_end(groups: Sequence[KVGroup], found: Sequence[Sequence[bool]], f
                    block_size: int) -> int:
     """The largest `e` in [first, end] such that every group has every block it needs for a prefix of `e`
     blocks: a full-attention group blocks [first, e), a sliding-window group blocks
-    [max(first, first_needed_block(e * block_size)), e), a state group block e - 1. `first` is where the GPU hit ends (the GPU holds
-    what each group needs before it); `found[g][i - first]` says whether group g's block i is on the CPU,
-    for i in [first, end). Returns `first` when no longer prefix can be served. O(groups * blocks)."""
+    [max(first, first_needed_block(e * block_size)), e), a state group block e - 1. `first` is where the
+    GPU hit ends (the GPU holds what each group needs before it); `found[g][i - first]` says whether group
+    g's block i is on the CPU, for i in [first, end). Returns `first` when no longer prefix can be served.
+    O(groups * blocks)."""
     last_miss: list[list[int]] = []  # per group: the last missing index <= j (relative), -1 if none
     for row in found:
         misses, last = [], -1
