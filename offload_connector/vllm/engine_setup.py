@@ -206,7 +206,8 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
     if len(groups) == 1 and not _is_full_attention(spec):
         raise UnsupportedSetupError(
             f"OffloadConnector supports full-attention KV caches; got {type(spec).__name__}; "
-            "allowed: FullAttentionSpec (incl. MLA), or sliding window beside full attention in a hybrid model"
+            "allowed: FullAttentionSpec (incl. MLA), or sliding window or Mamba state (align mode) beside "
+            "attention in a hybrid model"
         )
     block_size = int(spec.block_size)
     hash_size = hash_block_size(vllm_config, kv_cache_config)
