@@ -113,7 +113,8 @@ def keep_hma_off_for_one_group_configs(engine_args: Any) -> None:
     """Before vLLM builds its config: when our connector alone is selected with a config that supports one
     KV-cache group only (`store_policy: lazy` set explicitly, or a lower tier such as `remote`) and the user left
     `disable_hybrid_kv_cache_manager` unset, set it (as vLLM 0.32 did for every connector before ours
-    declared `SupportsHMA`), so a hybrid model runs with one group instead of failing at start-up. An unset
+    declared `SupportsHMA`), so a hybrid model runs with one group instead of failing at start-up (a Mamba
+    hybrid cannot: `check_mamba_hybrid` then refuses the config, naming the key). An unset
     `store_policy` keeps it on: with several groups it means eager (`resolve_config`). A model with one
     group is unaffected; an explicit setting is left alone (the connector then refuses several groups with
     an error naming the keys). Parses only; a bad config is left for the checks."""
