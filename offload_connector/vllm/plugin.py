@@ -149,8 +149,8 @@ def check_engine_config(vllm_config: Any) -> None:
         ours = sys.modules.get(MODULE_PATH)  # imported by vLLM's lookup if the class is ours or a subclass
         if ours is not None and isinstance(connector_cls, type) and issubclass(connector_cls, ours.OffloadConnector):
             compat.check_vllm_version()
-            mamba = bool(getattr(config.model_config, "is_hybrid", False))  # several groups: unset means eager
-            ours_config = resolve_config(config.kv_transfer_config.kv_connector_extra_config, 2 if mamba else 1)
+            groups = 2 if compat.is_mamba_hybrid(config) else 1  # several groups: unset means eager
+            ours_config = resolve_config(config.kv_transfer_config.kv_connector_extra_config, groups)
             check_mamba_hybrid(config, ours_config)
             check_capacity(config, ours_config, mem_available_bytes())
 
@@ -159,7 +159,7 @@ def check_mamba_hybrid(vllm_config: Any, config: Any) -> None:
     """A Mamba/SSM hybrid (vLLM's `ModelConfig.is_hybrid`) runs only with vLLM's hybrid KV cache manager, so
     only with a config that serves several KV-cache groups (eager stores, no lower tier): else
     `UnsupportedSetupError` naming the key, before vLLM fails later on specs it cannot unify."""
-    if not getattr(vllm_config.model_config, "is_hybrid", False) or keeps_hybrid_manager(config):
+    if not compat.is_mamba_hybrid(vllm_config) or keeps_hybrid_manager(config):
         return
     tiers = [name for name, _ in lower_tier_sections(config)]
     key = f"the {tiers[0]} tier ({tiers[0]} section)" if tiers else f"store_policy={config.store_policy!r}"
