@@ -117,6 +117,11 @@ def from_hf_config(data: Mapping[str, Any], where: str = "config.json", dtype: s
     text = data.get("text_config")
     cfg: Mapping[str, Any] = text if isinstance(text, Mapping) else data
     name = str(cfg.get("model_type") or data.get("model_type") or (data.get("architectures") or ["model"])[0])
+    state = _state_layers(cfg)
+    if state is not None:  # vLLM pads state pages to the attention page and may raise the block size
+        raise ModelConfigError(state[0], state[1], "a model without Mamba/SSM layers here: a Mamba hybrid's "
+                               "CPU blocks are sized from vLLM's KV spec when the connector starts (its start-up "
+                               "line gives bytes, blocks and tokens)", where)
     num_layers = _positive_int(cfg, ("num_hidden_layers", "n_layer", "num_layers"), where)
     heads = _positive_int(cfg, ("num_attention_heads", "n_head"), where)
     mla = cfg.get("kv_lora_rank") is not None
@@ -142,6 +147,26 @@ def from_hf_config(data: Mapping[str, Any], where: str = "config.json", dtype: s
                    _windows(cfg, num_layers, where))
 
 
+STATE_LAYER_KINDS = ("mamba", "linear_attention", "ssm")
+
+
+def _state_layers(cfg: Mapping[str, Any]) -> tuple[str, Any] | None:
+    """(key, value) saying the model has Mamba/SSM layers (NemotronH's `hybrid_override_pattern` with "M",
+    a `layers_block_type` or `layer_types` naming mamba or linear-attention layers, a `ssm_state_size`),
+    or None."""
+    pattern = cfg.get("hybrid_override_pattern")
+    if isinstance(pattern, str) and "M" in pattern:
+        return "hybrid_override_pattern", pattern
+    for key in ("layers_block_type", "layer_types"):
+        kinds = cfg.get(key)
+        if isinstance(kinds, list | tuple) and any(isinstance(k, str) and k.startswith(STATE_LAYER_KINDS)
+                                                   for k in kinds):
+            return key, kinds
+    if cfg.get("ssm_state_size") is not None:
+        return "ssm_state_size", cfg["ssm_state_size"]
+    return None
+
+
 def _windows(cfg: Mapping[str, Any], num_layers: int, where: str) -> tuple[int | None, ...]:
     """Each layer's sliding window from `layer_types` ("sliding_attention" / "full_attention") and
     `sliding_window`; without `layer_types` every layer has the same window (or none)."""
@@ -161,7 +186,7 @@ def _windows(cfg: Mapping[str, Any], num_layers: int, where: str) -> tuple[int |
             out.append(window)
         elif kind in ("full_attention", "attention"):
             out.append(None)
-        else:  # chunked local attention, linear attention, Mamba: kinds the connector refuses under vLLM
+        else:  # chunked local attention and other kinds the connector refuses under vLLM
             raise ModelConfigError("layer_types", kind, "full_attention and sliding_attention layers "
                                    "(the KV-cache kinds OffloadConnector holds)", where)
     return tuple(out)

@@ -1,5 +1,5 @@
 """`HybridGroups`: lookups, loads and block lists when the model has several KV-cache groups (groups.py: full
-attention and sliding window).
+attention, sliding window, Mamba/SSM state in vLLM's align mode).
 
 A part of the scheduler that exists only when `len(groups) > 1`, so the single-group hot path never pays
 for it: lookups.py, allocations.py and stores.py hand it their request past their common checks. Per
@@ -10,10 +10,13 @@ holds one GPU block's pages, whatever its group), one load job per request acros
 completion, failure and tensor-parallel count (completions.py sees only pairs of GPU and CPU blocks).
 
 - Lookup: the hit is `groups.hybrid_hit_end` (the longest prefix every group can serve). Pinned: every
-  block a group needs for that prefix (a sliding-window group only those inside its window).
+  block a group needs for that prefix (a sliding-window group only those inside its window, a state group
+  only the state block ending at the hit, so the hit ends where the attention KV and every group's state
+  are all on the CPU tier).
 - Allocation: vLLM passes each group's blocks; the load job pairs every block vLLM allocated in the loaded
   range (not the null block) with its CPU copy. Pinned blocks the job does not use are released.
-- Stores (`EagerStorePolicy.on_scheduled_groups`): per group, every completed block vLLM still holds.
+- Stores (`EagerStorePolicy.on_scheduled_groups`): per group, every completed block vLLM still holds (a
+  state group: the block ending where the step ended, `KVGroup.stores_block`).
 With `eviction: arc`, ARC hears of reuse by group 0's keys (as the admission filter judges content) and
 of no misses from these lookups.
 
@@ -68,7 +71,7 @@ class HybridGroups:
         end = min(len(hashes), (request.num_tokens - 1) // bs)  # keep >= 1 token to compute
         cached, reserved = self.cpu_pool.cached, self.cpu_pool.reserved
         for group in self.groups:  # full attention first: its run bounds every group's
-            if group.window is not None:
+            if not group.needs_every_block:
                 continue
             suffix = group_suffix(group.group_id)
             for i in range(first, end):

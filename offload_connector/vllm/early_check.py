@@ -22,7 +22,7 @@ from typing import Any
 from offload_connector.config import OffloadConfig
 from offload_connector.model_kv import DTYPE_BYTES, ModelConfigError, ModelKV
 from offload_connector.sizing import capacity, check_host_memory, check_shared_memory, shm_free_bytes
-from offload_connector.vllm.compat import hybrid_manager_on, registered_module_path, uses_mla
+from offload_connector.vllm.compat import hybrid_manager_on, is_mamba_hybrid, registered_module_path, uses_mla
 from offload_connector.vllm.engine_setup import ranks_sharing_a_pool, resolve_config
 from offload_connector.vllm.errors import UnsupportedSetupError
 
@@ -95,6 +95,9 @@ def model_kv_of(vllm_config: Any) -> ModelKV:
     model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     if model.is_attention_free:
         raise ModelConfigError("architectures", model.architectures, "a model with attention layers")
+    if is_mamba_hybrid(vllm_config):  # Mamba/SSM layers: vLLM sizes their state pages, not the config
+        raise ModelConfigError("architectures", model.architectures, "a model without Mamba/SSM layers (a "
+                               "hybrid's CPU tier is sized from vLLM's KV spec when the connector starts)")
     num_layers = int(model.get_num_layers_by_block_type(parallel, "attention"))
     if num_layers < 1:
         raise ModelConfigError("num_hidden_layers", num_layers, "a model with attention layers")

@@ -11,12 +11,15 @@
   from. Both roles call it with the same `kv_cache_config`, so the scheduler and every worker rank agree
   on `bytes_per_block` and hence on `num_cpu_blocks` (the workers re-check against their real tensors).
   Several KV-cache groups (vLLM's hybrid KV cache manager on a hybrid model) are served when every group
-  is full attention (incl. MLA) or sliding window, all of one block size and one page size; the shape then
-  lists each group's window (`KVCacheShape.groups`), and a CPU block holds one GPU block id's pages: one
-  page per layer slot, where vLLM overlays the groups' layers (the largest group's layer count).
-  Unsupported set-ups (another group kind, Mamba/SSM state groups named as such, groups of different
-  page sizes, prefix caching off, pipeline parallelism, a block size that differs from vLLM's hash block
-  size) raise `UnsupportedSetupError`.
+  is full attention (incl. MLA), sliding window or Mamba/SSM state in vLLM's `mamba_cache_mode="align"`
+  (one state block per block boundary, `mamba_block_size` equal to the block size), all of one block
+  size and one page size (vLLM pads the state pages to the attention page); the shape then lists each
+  group's window (`KVCacheShape.groups`) and which groups hold state (`state_groups`), and a CPU block
+  holds one GPU block id's pages: one page per layer slot, where vLLM overlays the groups' layers (the
+  largest group's layer count). Unsupported set-ups (another group kind, Mamba state outside align mode
+  or with speculative state blocks, groups of different block or page sizes, prefix caching off,
+  pipeline parallelism, a block size that differs from vLLM's hash block size) raise
+  `UnsupportedSetupError` naming the setting and what to set.
 
 Imports no vLLM; only reads the objects vLLM passes in (the fields vLLM resolves late through compat.py).
 """
@@ -141,6 +144,9 @@ class KVCacheShape:
     # Per KV-cache group, in vLLM's order: (sliding window in tokens or None for full attention, vLLM's
     # extra_retained_tokens). One entry for a single-group model.
     groups: tuple[tuple[int | None, int], ...] = ((None, 0),)
+    # Indexes (into `groups`) of the Mamba/SSM state groups (vLLM's MambaSpec in align mode); () for none.
+    state_groups: tuple[int, ...] = ()
+    state_layers: tuple[str, ...] = ()  # the layers of those groups (their KV entries are state pages)
     # Ranks mapping one host pool (their KV byte-identical: MLA's latent; `shared_pool_ranks`); 1: own pools.
     shared_by: int = 1
 
@@ -185,7 +191,8 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
         raise UnsupportedSetupError(
             "OffloadConnector needs prefix caching: got enable_prefix_caching=False; allowed: True: set "
             "enable_prefix_caching=True (vllm serve --enable-prefix-caching; the CPU tier is keyed by vLLM's "
-            "block hashes, which exist only with prefix caching)" + _prefix_caching_forced_off(vllm_config))
+            "block hashes, which exist only with prefix caching" + _mamba_note(kv_cache_config) + ")"
+            + _prefix_caching_forced_off(vllm_config))
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size != 1:
         raise UnsupportedSetupError(
@@ -199,7 +206,8 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
     if len(groups) == 1 and not _is_full_attention(spec):
         raise UnsupportedSetupError(
             f"OffloadConnector supports full-attention KV caches; got {type(spec).__name__}; "
-            "allowed: FullAttentionSpec (incl. MLA), or sliding window beside full attention in a hybrid model"
+            "allowed: FullAttentionSpec (incl. MLA), or sliding window or Mamba state (align mode) beside "
+            "attention in a hybrid model"
         )
     block_size = int(spec.block_size)
     hash_size = hash_block_size(vllm_config, kv_cache_config)
@@ -224,7 +232,17 @@ def describe_kv_cache(vllm_config: Any, kv_cache_config: Any) -> KVCacheShape:
         world_size=int(parallel.world_size),
         layout=kv_cache_layout(vllm_config, kv_cache_config),
         groups=tuple(_group_window(g.kv_cache_spec) for g in groups),
+        state_groups=tuple(i for i, g in enumerate(groups) if _is_kind(g.kv_cache_spec, "MambaSpec")),
+        state_layers=tuple(n for g in groups if _is_kind(g.kv_cache_spec, "MambaSpec") for n in g.layer_names),
     )
+
+
+def _mamba_note(kv_cache_config: Any) -> str:
+    """For a model with Mamba/SSM layers: what prefix caching changes for them."""
+    if not any(_is_kind(g.kv_cache_spec, "MambaSpec") for g in kv_cache_config.kv_cache_groups):
+        return ""
+    return ("; with it vLLM keeps this Mamba hybrid's state per block (mamba_cache_mode='align'), which the "
+            "CPU tier stores with the attention KV")
 
 
 def _prefix_caching_forced_off(vllm_config: Any) -> str:
@@ -248,17 +266,19 @@ def check_groups_config(config: OffloadConfig, shape: KVCacheShape) -> None:
     only); else `UnsupportedSetupError` naming the key and what is allowed. Nothing to check for one group."""
     if len(shape.groups) == 1:
         return
+    # vLLM cannot run Mamba layers with its hybrid KV cache manager off: no way around eager there.
+    hma_off = (" (a Mamba hybrid always runs with vLLM's hybrid KV cache manager)" if shape.state_groups else
+               ", or vLLM's hybrid KV cache manager off (disable_hybrid_kv_cache_manager=True; our vLLM plugin "
+               "turns it off for you unless it was set)")
     if config.store_policy != "eager":
         raise UnsupportedSetupError(
             f"OffloadConnector: store_policy={config.store_policy!r} supports one KV-cache group; this hybrid "
-            f"model has {len(shape.groups)}; allowed with several groups: store_policy: eager, or vLLM's hybrid KV "
-            "cache manager off (disable_hybrid_kv_cache_manager=True; our vLLM plugin turns it off for you "
-            "unless it was set)")
+            f"model has {len(shape.groups)}; allowed with several groups: store_policy: eager (or leave it "
+            f"unset){hma_off}")
     for name, _ in lower_tier_sections(config):
         raise UnsupportedSetupError(
             f"OffloadConnector: the {name} tier supports one KV-cache group; this hybrid model has "
-            f"{len(shape.groups)}; allowed with several groups: no {name} section, or vLLM's hybrid KV cache manager "
-            "off (disable_hybrid_kv_cache_manager=True; our vLLM plugin turns it off for you unless it was set)")
+            f"{len(shape.groups)}; allowed with several groups: no {name} section{hma_off}")
 
 
 def _group_window(spec: Any) -> tuple[int | None, int]:
@@ -270,26 +290,36 @@ def _group_window(spec: Any) -> tuple[int | None, int]:
 
 def _check_groups(groups: list[Any]) -> None:
     """Several KV-cache groups (vLLM's hybrid KV cache manager on): each must be full attention (incl.
-    MLA) or sliding window, all of one block size and one page size; else `UnsupportedSetupError` naming
-    each group's kind. Kinds are judged by the class hierarchy's names (no vLLM import)."""
+    MLA), sliding window or Mamba/SSM state in align mode without speculative state blocks, all of one
+    block size and one page size; else `UnsupportedSetupError` naming each group's kind and the setting.
+    Kinds are judged by the class hierarchy's names (no vLLM import)."""
     specs = [g.kv_cache_spec for g in groups]
     head = (f"OffloadConnector: this model has {len(groups)} KV-cache groups "
             f"({', '.join(type(s).__name__ for s in specs)}). ")
-    state = sorted({type(s).__name__ for s in specs if _is_kind(s, "MambaSpec")})
-    if state:
+    state = [s for s in specs if _is_kind(s, "MambaSpec")]
+    modes = sorted({str(s.mamba_cache_mode) for s in state} - {"align"})
+    if modes:
         raise UnsupportedSetupError(
-            head + f"Mamba/SSM state groups ({', '.join(state)}) are not supported; allowed: full attention "
-            "(incl. MLA) and sliding window groups")
-    other = [type(s).__name__ for s in specs if not (_is_full_attention(s) or _is_kind(s, "SlidingWindowSpec"))]
+            head + f"Its Mamba/SSM state groups run in mamba_cache_mode={modes[0]!r}; allowed: 'align' (the state "
+            "kept per block, which vLLM picks with enable_prefix_caching=True; set --enable-prefix-caching and "
+            "leave --mamba-cache-mode unset or 'align')")
+    speculative = sorted({int(s.num_speculative_blocks) for s in state} - {0})
+    if speculative:
+        raise UnsupportedSetupError(
+            head + f"Its Mamba/SSM state groups keep {speculative[0]} speculative state blocks (speculative "
+            "decoding); allowed with Mamba state groups: num_speculative_blocks 0 (no speculative_config)")
+    other = [type(s).__name__ for s in specs
+             if not (_is_full_attention(s) or _is_kind(s, "SlidingWindowSpec") or _is_kind(s, "MambaSpec"))]
     if other:
         raise UnsupportedSetupError(
-            head + f"{', '.join(other)} groups are not supported; allowed: full attention (incl. MLA) and "
-            "sliding window groups")
+            head + f"{', '.join(other)} groups are not supported; allowed: full attention (incl. MLA), sliding "
+            "window and Mamba/SSM state (align mode) groups")
     sizes = sorted({(int(s.block_size), int(s.page_size_bytes)) for s in specs})
     if len(sizes) != 1:
+        fix = (" (a Mamba hybrid: leave mamba_block_size unset so it equals block_size)" if state else "")
         raise UnsupportedSetupError(
             head + f"Their (block size, page bytes) differ: {sizes}; allowed: one block size and one page size "
-            "for every group")
+            f"for every group{fix}")
 
 
 def _is_kind(spec: Any, class_name: str) -> bool:

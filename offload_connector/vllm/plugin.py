@@ -13,7 +13,9 @@
   before vLLM builds its config, vLLM's own offload flags beside ours are refused and our config is
   parsed (ours selected directly); after, `check_engine_config` checks the installed vLLM's version
   (`UnsupportedSetupError` outside the supported range), parses our config (also as a child of
-  `MultiConnector`) and sizes the CPU tier against the model's KV shape and the host's MemAvailable.
+  `MultiConnector`), refuses a config that serves one KV-cache group for a Mamba hybrid (vLLM cannot run
+  one with its hybrid KV cache manager off) and sizes the CPU tier against the model's KV shape and the
+  host's MemAvailable.
   vLLM loads plugins before that call (`EngineArgs.__post_init__`). The only connector hook vLLM calls
   with our config earlier is `requires_piecewise_for_cudagraph`, inside `VllmConfig.__post_init__` and
   only on GPUs with CUDA graphs; it checks too, and the wrapper re-raises our `ConfigError` from the
@@ -111,7 +113,8 @@ def keep_hma_off_for_one_group_configs(engine_args: Any) -> None:
     """Before vLLM builds its config: when our connector alone is selected with a config that supports one
     KV-cache group only (`store_policy: lazy` set explicitly, or a lower tier such as `remote`) and the user left
     `disable_hybrid_kv_cache_manager` unset, set it (as vLLM 0.32 did for every connector before ours
-    declared `SupportsHMA`), so a hybrid model runs with one group instead of failing at start-up. An unset
+    declared `SupportsHMA`), so a hybrid model runs with one group instead of failing at start-up (a Mamba
+    hybrid cannot: `check_mamba_hybrid` then refuses the config, naming the key). An unset
     `store_policy` keeps it on: with several groups it means eager (`resolve_config`). A model with one
     group is unaffected; an explicit setting is left alone (the connector then refuses several groups with
     an error naming the keys). Parses only; a bad config is left for the checks."""
@@ -146,8 +149,25 @@ def check_engine_config(vllm_config: Any) -> None:
         ours = sys.modules.get(MODULE_PATH)  # imported by vLLM's lookup if the class is ours or a subclass
         if ours is not None and isinstance(connector_cls, type) and issubclass(connector_cls, ours.OffloadConnector):
             compat.check_vllm_version()
-            ours_config = resolve_config(config.kv_transfer_config.kv_connector_extra_config)
+            groups = 2 if compat.is_mamba_hybrid(config) else 1  # several groups: unset means eager
+            ours_config = resolve_config(config.kv_transfer_config.kv_connector_extra_config, groups)
+            check_mamba_hybrid(config, ours_config)
             check_capacity(config, ours_config, mem_available_bytes())
+
+
+def check_mamba_hybrid(vllm_config: Any, config: Any) -> None:
+    """A Mamba/SSM hybrid (vLLM's `ModelConfig.is_hybrid`) runs only with vLLM's hybrid KV cache manager, so
+    only with a config that serves several KV-cache groups (eager stores, no lower tier): else
+    `UnsupportedSetupError` naming the key, before vLLM fails later on specs it cannot unify."""
+    if not compat.is_mamba_hybrid(vllm_config) or keeps_hybrid_manager(config):
+        return
+    tiers = [name for name, _ in lower_tier_sections(config)]
+    key = f"the {tiers[0]} tier ({tiers[0]} section)" if tiers else f"store_policy={config.store_policy!r}"
+    raise UnsupportedSetupError(
+        f"OffloadConnector: {key} supports one KV-cache group, and this Mamba hybrid "
+        f"({', '.join(vllm_config.model_config.architectures or [])}) keeps its state and attention in several "
+        "(vLLM cannot turn its hybrid KV cache manager off for it); allowed: store_policy: eager (or unset) "
+        "and no remote or disk section")
 
 
 def _connectors_of(vllm_config: Any) -> list[tuple[Any, Any]]:

@@ -55,7 +55,8 @@ class SchedulerRole:
         self.scheduler = OffloadScheduler(
             config, shape.block_size, num_cpu_blocks, self._gpu_pool, shape.world_size,
             group_id=0,
-            groups=tuple(KVGroup(i, window, extra) for i, (window, extra) in enumerate(shape.groups)),
+            groups=tuple(KVGroup(i, window, extra, state=i in shape.state_groups)
+                         for i, (window, extra) in enumerate(shape.groups)),
             max_blocks_per_step=sched.max_num_batched_tokens // shape.block_size + sched.max_num_seqs,
             num_gpu_blocks=shape.num_gpu_blocks,
             tier_identity=tier_identity,

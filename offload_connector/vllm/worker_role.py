@@ -32,6 +32,7 @@ from offload_connector.vllm.compat import tensor_parallel_barrier, tensor_parall
 from offload_connector.vllm.engine_setup import KVCacheShape
 from offload_connector.vllm.errors import UnsupportedSetupError
 from offload_connector.vllm.messages import OffloadWorkerMetadata, merge_reports
+from offload_connector.vllm.state_pages import state_page_view
 from worker_side import OffloadWorker
 from worker_side.shared_pool import SharedPoolSpec
 
@@ -60,6 +61,12 @@ class WorkerRole:
         self.kv_caches_unregistered = False  # between unregister_kv_caches and restore_kv_caches (asleep)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """vLLM's tensors per layer; a Mamba/SSM layer's state becomes one tensor of its whole pages
+        (state_pages.py), so the worker copies state blocks as it copies attention blocks."""
+        if self.shape.state_layers:
+            page_bytes = self.shape.bytes_per_block // self.shape.num_layers
+            kv_caches = {name: state_page_view(name, entry, self.shape.num_gpu_blocks, page_bytes)
+                         if name in self.shape.state_layers else entry for name, entry in kv_caches.items()}
         self.worker.register_kv_caches(kv_caches, num_gpu_blocks=self.shape.num_gpu_blocks,
                                        layout=self.shape.layout)
         self._check_sizing()

@@ -177,7 +177,8 @@ class EagerStorePolicy(StorePolicy):
                             groups: Sequence[KVGroup]) -> None:
         """Per group, pick the full blocks completed since the store cursor that vLLM still holds: not the
         null block, and in a sliding-window group not before the window of the tokens computed before this
-        step (vLLM may have dropped and reused those; it drops only below that point). Admission (`is_dead`)
+        step (vLLM may have dropped and reused those; it drops only below that point); in a state group only
+        the block ending where this step ended (`KVGroup.stores_block`). Admission (`is_dead`)
         judges a block's content by group 0's key. Advances the store cursor. O(groups * new blocks)."""
         start = state.num_store_checked_blocks
         bs, hashes, view = self.view.block_size, state.request.block_hashes, self.view
@@ -192,6 +193,7 @@ class EagerStorePolicy(StorePolicy):
                            min(end, len(gpu_block_ids))):
                 key, gpu_id = hashes[i] + suffix, gpu_block_ids[i]
                 if gpu_id == 0 or key in picked or key in cached or key in reserved or (
+                        group.state and not group.stores_block(i, num_computed_tokens, bs)) or (
                         is_dead and is_dead(hashes[i] + self._suffix)):
                     continue
                 picked.add(key)

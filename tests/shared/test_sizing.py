@@ -161,6 +161,22 @@ def test_a_model_config_that_does_not_size_its_kv_names_the_key(data, key: str) 
     assert err.value.key == key and f"'{key}'" in str(err.value)
 
 
+def test_a_mamba_hybrid_config_says_the_connector_sizes_it_at_start_up() -> None:
+    """vLLM pads a Mamba hybrid's state pages to the attention page and may raise the block size for
+    them: `check` does not guess, it names the key that makes the model a Mamba hybrid."""
+    pytest.importorskip("transformers")
+    with pytest.raises(ModelConfigError, match="Mamba/SSM layers here: a Mamba hybrid's CPU blocks are sized from "
+                                               "vLLM's KV spec when the connector starts") as err:
+        from_hf_config(read_hf_config(str(TESTS / "tiny_nemotronh" / "config.json")))
+    assert err.value.key == "hybrid_override_pattern"
+    for data, key in (({**LLAMA3_8B, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]},
+                       "layer_types"),
+                      ({**LLAMA3_8B, "layers_block_type": ["mamba", "attention"]}, "layers_block_type")):
+        with pytest.raises(ModelConfigError, match="Mamba/SSM") as err:
+            from_hf_config(data)
+        assert err.value.key == key
+
+
 def test_reading_a_model_config_names_the_file(tmp_path) -> None:
     with pytest.raises(ModelConfigError, match="--model-config"):
         read_hf_config(str(tmp_path / "missing.json"))

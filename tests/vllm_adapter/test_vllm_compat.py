@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path
@@ -271,6 +272,19 @@ def test_replicated_kv_and_one_host_read_what_vllm_resolves(vllm_module) -> None
     mla_cpu = SimpleNamespace(model_config=SimpleNamespace(use_mla=True), device_config=SimpleNamespace(device_type="cpu"))
     assert compat.uses_mla(mla_cpu) and compat.on_cpu(mla_cpu)
     assert not compat.uses_mla(SimpleNamespace()) and not compat.on_cpu(SimpleNamespace())
+
+
+@pytest.mark.vllm
+def test_a_mamba_hybrid_is_told_by_vllms_model_config(vllm_module) -> None:
+    from vllm.config import ModelConfig
+
+    assert isinstance(ModelConfig.__dict__["is_hybrid"], property | functools.cached_property)
+    tests = Path(__file__).resolve().parents[1]
+    mamba = ModelConfig(model=str(tests / "tiny_nemotronh"), skip_tokenizer_init=True, dtype="float32")
+    dense = ModelConfig(model=str(tests / "tiny_llama"), skip_tokenizer_init=True, dtype="float32")
+    assert compat.is_mamba_hybrid(SimpleNamespace(model_config=mamba))
+    assert not compat.is_mamba_hybrid(SimpleNamespace(model_config=dense))
+    assert not compat.is_mamba_hybrid(SimpleNamespace())
 
 
 @pytest.mark.vllm

@@ -38,12 +38,14 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
 def fake_configs(num_groups: int = 1, block_size: int = 32, prefix_caching: bool = True, pp: int = 1,
                  tp: int = 2, hash_block_size: int | None = None, spec_cls: type = FullAttentionSpec,
-                 extra_group_cls: type | None = None, extra_page_bytes: int = 4096, extra_layers: int = 3):
+                 extra_group_cls: type | None = None, extra_page_bytes: int = 4096, extra_layers: int = 3,
+                 mamba_cache_mode: str = "align", num_speculative_blocks: int = 0):
     spec = spec_cls(block_size=block_size, page_size_bytes=4096, sliding_window=64)
     groups = [SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1", "l2"]) for _ in range(num_groups)]
     if extra_group_cls is not None:  # a hybrid model with HMA on: a second group of another kind
         extra = extra_group_cls(block_size=block_size, page_size_bytes=extra_page_bytes, sliding_window=128,
-                                extra_retained_tokens=0)
+                                extra_retained_tokens=0, mamba_cache_mode=mamba_cache_mode,
+                                num_speculative_blocks=num_speculative_blocks)
         groups.append(SimpleNamespace(kv_cache_spec=extra, layer_names=[f"x{i}" for i in range(extra_layers)]))
     kv_cache_config = SimpleNamespace(num_blocks=100, kv_cache_groups=groups, kv_cache_tensors=[],
                                       hash_block_size=hash_block_size, kv_cache_layout="LBNHC")
@@ -121,6 +123,34 @@ def test_hybrid_shape_lists_each_groups_window_and_counts_layer_slots() -> None:
     assert two_full.groups == ((None, 0), (None, 0))
 
 
+def test_a_mamba_hybrid_in_align_mode_lists_its_state_groups_and_layers() -> None:
+    """Mamba/SSM state groups (vLLM's align mode, pages padded to the attention page) overlay the attention
+    layers like any group: one page per layer slot; the shape says which groups and layers hold state."""
+    shape = describe_kv_cache(*fake_configs(extra_group_cls=MambaSpec, extra_layers=2))
+    assert shape.groups == ((None, 0), (None, 0)) and shape.state_groups == (1,)
+    assert shape.state_layers == ("x0", "x1")
+    assert (shape.num_layers, shape.bytes_per_block) == (3, 3 * 4096)
+    assert describe_kv_cache(*fake_configs(extra_group_cls=SlidingWindowSpec)).state_groups == ()
+
+
+def test_a_mamba_hybrid_needs_eager_stores_and_says_hma_cannot_be_turned_off() -> None:
+    from offload_connector.vllm.engine_setup import check_groups_config
+
+    hybrid = describe_kv_cache(*fake_configs(extra_group_cls=MambaSpec))
+    check_groups_config(resolve_config({}, len(hybrid.groups)), hybrid)
+    with pytest.raises(UnsupportedSetupError, match="store_policy='lazy'.*allowed with several groups: store_policy: "
+                                                     "eager.*a Mamba hybrid always runs with vLLM's hybrid KV"):
+        check_groups_config(resolve_config({"store_policy": "lazy"}), hybrid)
+    with pytest.raises(UnsupportedSetupError, match="the remote tier supports one KV-cache group.*no remote "
+                                                     "section .a Mamba hybrid"):
+        check_groups_config(resolve_config({"remote": {"url": "redis://127.0.0.1:1"}}, 2), hybrid)
+
+
+def test_prefix_caching_off_on_a_mamba_hybrid_says_what_it_gives() -> None:
+    with pytest.raises(UnsupportedSetupError, match="set enable_prefix_caching=True .*mamba_cache_mode='align'"):
+        describe_kv_cache(*fake_configs(extra_group_cls=MambaSpec, prefix_caching=False))
+
+
 def test_hybrid_models_need_eager_stores_and_no_remote_tier() -> None:
     from offload_connector.vllm.engine_setup import check_groups_config
 
@@ -134,8 +164,13 @@ def test_hybrid_models_need_eager_stores_and_no_remote_tier() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"extra_group_cls": MambaSpec}, r"2 KV-cache groups \(FullAttentionSpec, MambaSpec\)\. Mamba/SSM state "
-                                     r"groups \(MambaSpec\) are not supported"),
+    ({"extra_group_cls": MambaSpec, "mamba_cache_mode": "none"},
+     r"2 KV-cache groups \(FullAttentionSpec, MambaSpec\)\. Its Mamba/SSM state groups run in "
+     r"mamba_cache_mode='none'; allowed: 'align' .* set --enable-prefix-caching"),
+    ({"extra_group_cls": MambaSpec, "num_speculative_blocks": 2}, r"2 speculative state blocks .*allowed with Mamba "
+                                                                  r"state groups: num_speculative_blocks 0"),
+    ({"extra_group_cls": MambaSpec, "extra_page_bytes": 2048}, r"page bytes\) differ: .*leave mamba_block_size "
+                                                               "unset"),
     ({"extra_group_cls": ChunkedLocalAttentionSpec}, r"ChunkedLocalAttentionSpec groups are not supported; "
                                                      "allowed: full attention"),
     ({"extra_group_cls": SimpleNamespace}, r"SimpleNamespace groups are not supported"),
@@ -327,5 +362,6 @@ def test_several_groups_are_judged_by_vllms_real_spec_classes() -> None:
 
     vllm_config, _ = fake_configs()
     assert _group_window(_window(Window)) == (64, 0) and _group_window(object.__new__(Full)) == (None, 0)
-    with pytest.raises(UnsupportedSetupError, match=r"Mamba/SSM state groups \(MambaSpec\)"):
+    # vLLM's MambaSpec defaults to mamba_cache_mode "none" (no state per block): refused, naming the setting.
+    with pytest.raises(UnsupportedSetupError, match=r"\(FullAttentionSpec, MambaSpec\).*mamba_cache_mode='none'"):
         describe_kv_cache(vllm_config, groups(Full, Mamba))

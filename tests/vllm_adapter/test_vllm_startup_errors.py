@@ -94,6 +94,26 @@ def test_a_plausible_tier_passes() -> None:
     create(offload({"num_cpu_blocks": 2}))  # the smallest tier: the null block and one
 
 
+MAMBA_KWARGS = dict(ENGINE_KWARGS, model=str(Path(__file__).resolve().parents[1] / "tiny_nemotronh"),
+                    enable_prefix_caching=True, max_num_batched_tokens=32)
+
+
+@pytest.mark.parametrize(("extra", "key"), [({"store_policy": "lazy"}, "store_policy='lazy'"),
+                                            ({"remote": {"url": "redis://127.0.0.1:1"}}, "the remote tier (remote section)")])
+def test_a_mamba_hybrid_with_a_one_group_config_is_refused_naming_the_key(extra: dict, key: str) -> None:
+    """vLLM cannot run Mamba layers with its hybrid KV cache manager off (it fails later, on specs it
+    cannot unify): a config that serves one group stops start-up in the config step, saying what to set."""
+    with pytest.raises(UnsupportedSetupError, match=re.escape(key) + r" supports one KV-cache group, and this "
+                       r"Mamba hybrid \(NemotronHForCausalLM\).*allowed: store_policy: eager \(or unset\)"):
+        EngineArgs(**MAMBA_KWARGS, kv_transfer_config=offload({"cpu_bytes": "16MiB", **extra})).create_engine_config()
+
+
+def test_a_mamba_hybrid_with_eager_stores_keeps_hma_on_and_align_mode() -> None:
+    config = EngineArgs(**MAMBA_KWARGS, kv_transfer_config=offload({"cpu_bytes": "16MiB"})).create_engine_config()
+    assert not config.scheduler_config.disable_hybrid_kv_cache_manager
+    assert config.cache_config.mamba_cache_mode == "align" and config.cache_config.mamba_block_size == 32
+
+
 def test_tensor_parallel_ranks_on_one_host_share_its_memory() -> None:
     """Checked without running TP: vLLM's config for TP=2 (a CPU run of 2 ranks is not started here)."""
     from offload_connector.config import load_config
