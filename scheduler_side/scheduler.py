@@ -104,10 +104,11 @@ class OffloadScheduler:
             config.lazy_lookahead_blocks, self.admission, num_gpu_blocks)
         self.policy: StorePolicy = make_store_policy(config.store_policy, self.policy_view)
         context = None if tier_identity is None else TierContext(tier_identity, self.cpu_pool, self.allocate_cpu,
-                                                                 world_size, group_id)
+                                                                 world_size, group_id, self.policy.on_cpu_evicted)
         self.tiers: dict[str, LowerTier] = make_lower_tiers(config, context)  # by name, nearest first
         self._tiers = tuple(self.tiers.values())
-        evicting = [tier.on_cpu_evict for tier in self._tiers if tier.wants_cpu_evictions]
+        self._keeping = tuple(tier for tier in self._tiers if tier.wants_cpu_evictions)
+        evicting = [tier.on_cpu_evict for tier in self._keeping]
         if evicting:  # write-back tiers copy out each block the CPU pool evicts
             self.cpu_pool.on_evict_block = evicting[0] if len(evicting) == 1 else _fan_out(evicting)
 
@@ -124,9 +125,9 @@ class OffloadScheduler:
                                        self.kv_events, self.tiers, world_size)
 
     def _on_cpu_evict(self, key: bytes, evicted: bool) -> None:
-        """The CPU pool dropped `key`: evicted by allocation (`evicted`; the store policy hears of it) or
-        forgotten. The KV event log records either."""
-        if evicted:
+        """The CPU pool dropped `key`: evicted by allocation (`evicted`; the store policy hears of it unless a
+        lower tier keeps it: then of that tier's drops) or forgotten. The KV event log records either."""
+        if evicted and not any(tier.keeps_cpu_evictions() for tier in self._keeping):
             self.policy.on_cpu_evicted(key)
         self.kv_events.on_cpu_evict(key, evicted)
 

@@ -1,4 +1,5 @@
-"""`EvictedKeys`: the keys the CPU tier evicted most recently (the lazy policy's test of pressure).
+"""`EvictedKeys`: the keys the tiers dropped most recently (the CPU tier's evictions, or a write-back lower
+tier's that keeps them; the lazy policy's test of pressure).
 
 A bounded FIFO of content keys: at most `capacity`, the oldest forgotten first; a key evicted again moves to
 the newest end. A lookup that misses on a key still listed asks for content the tier dropped within its last

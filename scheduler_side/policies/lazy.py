@@ -63,8 +63,10 @@ class LazyStorePolicy(StorePolicy):
         self._held: dict[bytes, int] = {}  # key -> GPU block held for the next store event
         self._last_event_id: int | None = None  # our most recent store event
         self._steps = 0  # pick_stores calls (engine steps)
-        # Pressure: a lookup missed on content the CPU tier evicted within its last `num_gpu_blocks` evictions
-        # (`_evicted`), room an exclusive tier would have had. From then on space spent on copies of blocks the
+        # Pressure: a lookup missed on content dropped within the last `num_gpu_blocks` drops (`_evicted`):
+        # the CPU tier's evictions, or, over a write-back lower tier that keeps them (the disk tier), that
+        # tier's own evictions (a CPU eviction it keeps comes back from it: nothing was lost). Room an
+        # exclusive tier would have had. From then on space spent on copies of blocks the
         # GPU holds costs hits, for good: a quiet spell (a session's turns all GPU hits) would keep copies
         # that cost room once the tier is busy again. Until then lazy stores what eager stores: a tier that
         # evicts only content nobody asks for again loses nothing by holding copies of the GPU's blocks.

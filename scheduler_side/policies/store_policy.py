@@ -18,7 +18,8 @@ policy's own state and, where its docstring says so, the request's store cursor
    free GPU blocks to put back at the head of the GPU free queue (`GpuPool.move_to_front`);
 5. finish: `on_request_finished(state)` -> GPU blocks to hold (one reference each) until the next
    `pick_stores`, which lists them again in `release_gpu_ids`.
-At any point: `on_cpu_evicted(key)` when the CPU tier evicts a cached copy to make room (not a copy given up).
+At any point: `on_cpu_evicted(key)` when the tiers drop `key`'s copy to make room (not a copy given up): the CPU
+tier's evictions, or a write-back lower tier's that keeps them (tiers/base.py, `keeps_cpu_evictions`).
 
 - `EagerStorePolicy` (inclusive tier): every full, hashed block whose KV this step's forward completes,
   unless it is already cached on the CPU or being stored, or dead (`StorePolicyView.is_dead`). Cost per step: O(newly completed blocks).
@@ -124,7 +125,8 @@ class StorePolicy:
         return False
 
     def on_cpu_evicted(self, key: bytes) -> None:
-        """The CPU tier evicted `key`'s copy to make room for another (LRU or ARC's choice)."""
+        """The tiers dropped `key`'s copy to make room for another (the CPU tier's LRU or ARC choice, or a
+        write-back lower tier's eviction when that tier keeps the CPU's evictions)."""
 
     def lends_load_slots(self) -> bool:
         """May this step's stores take the slots of blocks this step's loads read (nobody else holds them)?

@@ -77,6 +77,9 @@ class TierContext:
     allocate_cpu: Callable[[int], list[Block]]  # up to n blocks, evicting; fewer when pinned full
     world_size: int  # tensor-parallel ranks: each reports every fetch event once
     group_id: int  # the KV-cache group whose keys the tier serves (one group only)
+    # A tier that keeps the CPU pool's evictions (`keeps_cpu_evictions`) names each key it drops to make room
+    # here: the store policy hears of those drops instead of the CPU's evictions (content lost, not moved).
+    on_dropped: Callable[[bytes], None] = lambda key: None
 
 
 class LowerTier(ABC):
@@ -86,6 +89,12 @@ class LowerTier(ABC):
     GAUGES: ClassVar[tuple[str, ...]] = ()
     DESCRIPTIONS: ClassVar[Mapping[str, str]] = {}  # counter or gauge -> one line for Prometheus
     wants_cpu_evictions: bool = False  # hear of each CPU eviction (`on_cpu_evict`)
+
+    def keeps_cpu_evictions(self) -> bool:
+        """Whether every block the CPU pool evicts now stays hit-able here (a write-back tier that names each
+        key it later drops to `TierContext.on_dropped`). Then a CPU eviction loses nothing, and the store
+        policy hears of this tier's drops instead (lazy.py: pressure is a miss on content lost recently)."""
+        return False
 
     @classmethod
     @abstractmethod

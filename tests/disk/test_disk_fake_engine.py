@@ -167,7 +167,9 @@ def test_disk_full_during_a_run_steps_aside_and_the_engine_goes_on(tmp_path, cap
     root.mkdir(mode=0o700)
     wl = one_per_prefix("a", SHARED, 1)
     with mounted("-t", "tmpfs", "-o", "size=96k,mode=0700", "tmpfs", str(root)):  # about 10 records
-        with caplog.at_level(logging.WARNING), FakeEngine(disk_config(root)) as a:
+        # A pause longer than the run: on a slow machine a 1 s pause ends mid-run and the retry warns again.
+        config = disk_config(root, breaker_backoff_ms=600_000, breaker_max_backoff_ms=600_000)
+        with caplog.at_level(logging.WARNING), FakeEngine(config) as a:
             run_workload(a, wl)
             clean(a)
             assert a.outputs == reference_outputs(wl)

@@ -89,7 +89,14 @@ class DiskTier(LowerTier):
         if keys:
             if evicted:
                 self.counters.evicted_blocks += len(keys)
+                for key in keys:
+                    self.context.on_dropped(key)
             self.files.delete(keys)
+
+    def keeps_cpu_evictions(self) -> bool:
+        """Write-back on and the tier working: each CPU eviction is written (or already here), and every
+        key evicted to stay within `disk.bytes` goes to `on_dropped`."""
+        return self.enabled and self.wants_cpu_evictions
 
     def _poll_files(self) -> None:
         scan, deleted = self.files.poll()
