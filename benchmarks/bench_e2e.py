@@ -348,7 +348,9 @@ def run_config(name: str, turns: list[Turn], model_dir: str, work: str, kv: dict
         after = metrics(server.port)
     finally:
         server.stop()
-    counters = {k.removeprefix("vllm:offload_connector_"): after[k] - before.get(k, 0.0) for k in sorted(after)}
+    # counters (`_total`): this run's part; gauges: their value at the end
+    counters = {k.removeprefix("vllm:offload_connector_"): after[k] - before.get(k, 0.0) if k.endswith("_total")
+                else after[k] for k in sorted(after)}
     return {"name": name, "server_start_s": started, "wall_s": wall, "load_average_before": load_before,
             "load_average_after": list(os.getloadavg()), "requests": results,
             "summary": summarize(results, wall), "connector": {k: v for k, v in counters.items() if v}}
