@@ -24,8 +24,8 @@ CPU-tier load is a memcpy. `gpu_estimate` recomputes each configuration's prefil
 tokens it computed and loaded, at an H100's bf16 FLOP rate times a stated utilisation and stated host ->
 GPU copy and NVMe rates: an estimate, not a measurement (no GPU has run this code).
 
-    python benchmarks/bench_e2e.py --json            # ~15 min on 2 cores
-    python benchmarks/bench_e2e.py --quick --json    # a few minutes
+    python benchmarks/bench_e2e.py --json            # ~16 min on 2 cores (five server starts of ~1 min each)
+    python benchmarks/bench_e2e.py --quick --json    # ~8 min: 4 sessions x 2 turns
 """
 
 from __future__ import annotations
