@@ -3,8 +3,8 @@ tier steps aside (its breaker), nothing is left behind, and it comes back when t
 
 Disk full is a real tmpfs of a few KiB when this process may mount one (root with CAP_SYS_ADMIN), and a
 file-size limit (RLIMIT_FSIZE, the same short write then error) everywhere. Read-only is a read-only bind
-mount (root ignores chmod), or chmod 0500 for a user that is not root. EIO is not made here: nothing
-without a device mapper produces it, and it takes the same path as the two (an OSError from pwritev)."""
+mount (root ignores chmod), or chmod 0500 for a user that is not root. EIO from a real failing block
+device: test_disk_eio.py."""
 
 from __future__ import annotations
 
