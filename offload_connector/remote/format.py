@@ -106,7 +106,7 @@ def keyed_hash(auth_key: bytes, header: bytes | memoryview, key: bytes, payload:
 
 def encode_value(key: bytes, payload: bytes | memoryview, auth_key: bytes | None = None) -> bytes:
     """Header (+ keyed hash with `auth_key`) + payload, ready for SET."""
-    header = HEADER.pack(MAGIC, VERSION, KEYED if auth_key else 0, len(payload), checksum(key, payload))
+    header = HEADER.pack(MAGIC, VERSION, KEYED if auth_key is not None else 0, len(payload), checksum(key, payload))
     if auth_key is None:
         return b"".join((header, payload))
     return b"".join((header, keyed_hash(auth_key, header, key, payload), payload))
