@@ -10,12 +10,16 @@ pool), and every fetched byte is compared with what was written: a run that diff
   what a TP 1 rank of an 8-head model does, the most parts a block has);
 - `head_tp2`: rank 0 of TP 2 reading the 4 head records of its half, written by the `head` case's TP 1
   rank (the mixed-TP fleet's read).
+- `head_auth` (with `--auth`): the `head` case with `remote.auth_key_file` set (every record signed with
+  a keyed BLAKE2b and verified on fetch); `auth_over_head` is its ratio to `head` within the run, and
+  `codec_us` times `encode_value` / `decode_value` of every head's record of a block alone (no network),
+  unkeyed and keyed.
 Per block, medians over `--repeats` alternating rounds: wall time, and CPU time (this process's, i.e.
 the rank's threads, plus the server's from INFO cpu), which a loaded machine disturbs far less; `head /
 rank` is the ratio within the run. `split_us` is the host-pool <-> parts cost alone (HeadRows.read_parts / write_parts vs HostRows),
 no network.
 
-    nice python benchmarks/bench_remote_layout.py [--json] [--repeats 5]
+    nice python benchmarks/bench_remote_layout.py [--json] [--repeats 5] [--auth]
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_fleet import BenchmarkError, Server  # noqa: E402
 from offload_connector.remote.config import RemoteConfig  # noqa: E402
-from offload_connector.remote.format import BlockParts, key_prefix  # noqa: E402
+from offload_connector.remote.format import BlockParts, decode_value, encode_value, key_prefix  # noqa: E402
 from offload_connector.tier_identity import TierIdentity  # noqa: E402
 from worker_side.block_layout import tensor_block_view  # noqa: E402
 from worker_side.host_pool import HostPool  # noqa: E402
@@ -100,7 +104,24 @@ def timed_fetch(clock: Clock, io: RemoteWorkerIO, event: int, cpu_ids: list[int]
     return elapsed
 
 
-def run_case(server: Server, layers: int, num_blocks: int, repeats: int) -> dict:
+def time_codec(rows: HeadRows, cpu_ids: list[int], auth_key: bytes | None) -> tuple[float, float]:
+    """Seconds per block to encode, then decode, every head's record of the blocks (no network)."""
+    parts = [rows.read_parts(c) for c in cpu_ids]
+    keys = [[os.urandom(60) for _ in p] for p in parts]  # about a real key's length
+    start = time.process_time()
+    blobs = [[encode_value(k, memoryview(p), auth_key) for k, p in zip(ks, ps, strict=True)]
+             for ks, ps in zip(keys, parts, strict=True)]
+    encode = time.process_time() - start
+    start = time.process_time()
+    for ks, bs in zip(keys, blobs, strict=True):
+        for k, b in zip(ks, bs, strict=True):
+            if decode_value(k, b, rows.part_bytes, auth_key)[0] is None:
+                raise BenchmarkError("a value just encoded was refused")
+    decode = time.process_time() - start
+    return encode / len(cpu_ids), decode / len(cpu_ids)
+
+
+def run_case(server: Server, layers: int, num_blocks: int, repeats: int, auth: bool = False) -> dict:
     pool = make_pool(layers, HEADS, num_blocks)
     half = make_pool(layers, HEADS // 2, num_blocks)  # rank 0 of TP 2: heads 0-3
     ident = identity(layers)
@@ -116,7 +137,9 @@ def run_case(server: Server, layers: int, num_blocks: int, repeats: int) -> dict
         for h in range(HEADS // 2):
             half_rows.write_part(c, h, memoryview(parts[h]))
         half_want.append(half[c].clone())
-    times: dict[str, list[float]] = {f"{layout}_{op}{kind}": [] for layout in ("rank", "head")
+    layouts = ("rank", "head", "head_auth") if auth else ("rank", "head")
+    auth_key = os.urandom(32)
+    times: dict[str, list[float]] = {f"{layout}_{op}{kind}": [] for layout in layouts
                                      for op in ("write", "fetch") for kind in ("", "_cpu")}
     times.update(head_tp2_fetch=[], head_tp2_fetch_cpu=[], split_read=[], split_write=[], rows_read=[],
                  rows_write=[])
@@ -127,10 +150,10 @@ def run_case(server: Server, layers: int, num_blocks: int, repeats: int) -> dict
         times[f"{name}_cpu"].append(wall_cpu[1] / num_blocks)
 
     for rep in range(repeats):
-        for layout in ("rank", "head"):
+        for layout in layouts:
             prefix = key_prefix(ident, f"b{rep}{layout}")
-            parts = BlockParts.of(ident, 0, 1) if layout == "head" else None
-            io = RemoteWorkerIO(cfg, prefix, 0, 1, pool, parts)
+            parts = BlockParts.of(ident, 0, 1) if layout.startswith("head") else None
+            io = RemoteWorkerIO(cfg, prefix, 0, 1, pool, parts, auth_key if layout == "head_auth" else None)
             keys = [os.urandom(16) + b"\0\0\0\0" for _ in cpu_ids]
             try:
                 record(f"{layout}_write", timed_write(clock, io, cpu_ids, keys))
@@ -165,8 +188,13 @@ def run_case(server: Server, layers: int, num_blocks: int, repeats: int) -> dict
         for c, parts in zip(cpu_ids, split, strict=True):
             tp1_rows.write_parts(c, [memoryview(p) for p in parts])
         times["split_write"].append((time.perf_counter() - start) / num_blocks)
+        if auth:
+            for name, key in (("plain", None), ("keyed", auth_key)):
+                encode, decode = time_codec(tp1_rows, cpu_ids, key)
+                times.setdefault(f"codec_{name}_encode", []).append(encode)
+                times.setdefault(f"codec_{name}_decode", []).append(decode)
     us = {k: round(statistics.median(v) * 1e6, 1) for k, v in times.items()}
-    return {"block_bytes": pool.bytes_per_block, "part_bytes": tp1_rows.part_bytes, "blocks": num_blocks,
+    out = {"block_bytes": pool.bytes_per_block, "part_bytes": tp1_rows.part_bytes, "blocks": num_blocks,
             "us_per_block": us,
             "head_over_rank": {f"{op}{kind}": round(us[f"head_{op}{kind}"] / us[f"rank_{op}{kind}"], 3)
                                for op in ("write", "fetch") for kind in ("", "_cpu")},
@@ -174,19 +202,29 @@ def run_case(server: Server, layers: int, num_blocks: int, repeats: int) -> dict
                                                for k in ("", "_cpu")},
             "split_over_rows": {"read": round(us["split_read"] / us["rows_read"], 3),
                                 "write": round(us["split_write"] / us["rows_write"], 3)}}
+    if auth:
+        out["auth_over_head"] = {f"{op}{kind}": round(us[f"head_auth_{op}{kind}"] / us[f"head_{op}{kind}"], 3)
+                                 for op in ("write", "fetch") for kind in ("", "_cpu")}
+        gb = pool.bytes_per_block / 1e9  # CPU seconds per GB of KV, keyed minus plain, encode + decode
+        out["auth_extra_cpu_s_per_gb"] = {
+            "write": round((us["codec_keyed_encode"] - us["codec_plain_encode"]) / 1e6 / gb, 3),
+            "fetch": round((us["codec_keyed_decode"] - us["codec_plain_decode"]) / 1e6 / gb, 3)}
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--auth", action="store_true", help="also the head layout with remote.auth_key_file set")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         server = Server(workdir)
         try:
             server.client.config_set("maxmemory", 0)
             result = {"load_average": [round(x, 2) for x in os.getloadavg()], "heads": HEADS,
-                      "cases": {name: run_case(server, layers, blocks, args.repeats)
+                      "auth": args.auth,
+                      "cases": {name: run_case(server, layers, blocks, args.repeats, args.auth)
                                 for name, layers, blocks in CASES}}
             result["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
         finally:
@@ -197,7 +235,7 @@ def main() -> int:
     else:
         for name, case in result["cases"].items():
             print(name, case["us_per_block"], case["head_over_rank"], case["tp2_half_fetch_over_rank_fetch"],
-                  case["split_over_rows"])
+                  case["split_over_rows"], case.get("auth_over_head", ""), case.get("auth_extra_cpu_s_per_gb", ""))
     return 0
 
 

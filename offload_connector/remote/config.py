@@ -2,7 +2,7 @@
 
 Absent (the default) means no remote tier: nothing connects, nothing changes. Present, `url` is required.
 `check_remote` returns the first problem as (key, value, allowed, detail) so that `config.py` raises its
-`ConfigError` (this module imports nothing from the project: `config.py` imports it). After `load_config`,
+`ConfigError` (this module imports only the leaf `auth_key.py` from the project: `config.py` imports it). After `load_config`,
 `max_inflight_bytes` is an int and `url` a list of one URL (single node) or several (a Redis Cluster's
 seed nodes).
 
@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 import msgspec
+
+from offload_connector.auth_key import auth_key_problem
 
 SCHEMES = ("redis", "rediss")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -35,6 +37,8 @@ class RemoteConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_waiting_requests: Annotated[int, msgspec.Meta(ge=1)] = 64  # requests waiting on the tier at once
     breaker_backoff_ms: Annotated[int, msgspec.Meta(ge=1)] = 100  # first pause after a failure (doubles)
     breaker_max_backoff_ms: Annotated[int, msgspec.Meta(ge=1)] = 10000
+    # a file of 16-64 secret bytes: every record carries a keyed BLAKE2b, and one without it is never served
+    auth_key_file: str | None = None
 
 
 URL_ALLOWED = ("'redis://[user:password@]host:port/db' or 'rediss://...' (TLS), or a non-empty list of "
@@ -86,6 +90,8 @@ def check_remote(remote: RemoteConfig) -> tuple[str, object, str, str] | None:
         return ("remote.url", [redact(u) for u in urls], URL_ALLOWED, "mixes redis:// and rediss://")
     if not _NAMESPACE_RE.match(remote.namespace):
         return ("remote.namespace", remote.namespace, "1-64 characters of A-Z a-z 0-9 _ . -", "")
+    if (problem := auth_key_problem("remote.auth_key_file", remote.auth_key_file)) is not None:
+        return problem
     if remote.breaker_max_backoff_ms < remote.breaker_backoff_ms:
         return ("remote.breaker_max_backoff_ms", remote.breaker_max_backoff_ms,
                 f">= remote.breaker_backoff_ms ({remote.breaker_backoff_ms})", "")

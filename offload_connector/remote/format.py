@@ -21,15 +21,21 @@ SET NX EX keeps its meaning (first writer wins, TTL set atomically); and a block
 heads only) is simply a missing part. The cost is one key and one pipelined command per head instead of
 per rank: docs/benchmarks.md measures it.
 
-Value: a 24-byte header, then the part's bytes:
-    magic b"OCKV" | version u16 | reserved u16 | payload length u64 | checksum u64   (little endian)
+Value: a 24-byte header, then, when flag KEYED is set, a 32-byte keyed hash, then the part's bytes:
+    magic b"OCKV" | version u16 | flags u16 | payload length u64 | checksum u64   (little endian)
 The checksum is xxh3-64 of the payload seeded with xxh3-64 of the key, so a value copied under another
-key fails too. A value whose magic, version, length or checksum does not match is a miss (`decode_value`
-returns why), and the caller deletes it.
+key fails too. With an auth key (`remote.auth_key_file`) the writer sets KEYED and adds BLAKE2b-256 keyed
+with it over the header, the server key (which names the namespace, the model and layout fingerprints,
+the part and the block) and the payload: a value forged without the key fails even with a valid checksum,
+and so does one signed with another key. A reader with a key refuses an unsigned value, and one without a
+key refuses a signed value (it cannot check it). A value whose magic, version, flags, length, checksum or
+keyed hash does not match is a miss (`decode_value` returns why), and the caller deletes it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 
@@ -41,6 +47,9 @@ MAGIC = b"OCKV"
 VERSION = 1
 HEADER = struct.Struct("<4sHHQQ")
 HEADER_BYTES = HEADER.size  # 24
+KEYED = 1  # flag: a keyed hash follows the header
+MAC_BYTES = 32
+_KEY_LEN = struct.Struct("<H")
 
 
 def key_prefix(identity: TierIdentity, namespace: str) -> str:
@@ -86,21 +95,45 @@ def checksum(key: bytes, payload: bytes | memoryview) -> int:
     return xxhash.xxh3_64_intdigest(payload, seed=xxhash.xxh3_64_intdigest(key))
 
 
-def encode_value(key: bytes, payload: bytes | memoryview) -> bytes:
-    """Header + payload, ready for SET."""
-    return b"".join((HEADER.pack(MAGIC, VERSION, 0, len(payload), checksum(key, payload)), payload))
+def keyed_hash(auth_key: bytes, header: bytes | memoryview, key: bytes, payload: bytes | memoryview) -> bytes:
+    """BLAKE2b-256 keyed with `auth_key` over the header, the server key (length first) and the payload."""
+    mac = hashlib.blake2b(header, key=auth_key, digest_size=MAC_BYTES)
+    mac.update(_KEY_LEN.pack(len(key)))
+    mac.update(key)
+    mac.update(payload)
+    return mac.digest()
 
 
-def decode_value(key: bytes, blob: bytes, expected_len: int) -> tuple[memoryview | None, str]:
-    """(payload, "") for a valid value of `expected_len` bytes, else (None, why it is refused)."""
+def encode_value(key: bytes, payload: bytes | memoryview, auth_key: bytes | None = None) -> bytes:
+    """Header (+ keyed hash with `auth_key`) + payload, ready for SET."""
+    header = HEADER.pack(MAGIC, VERSION, KEYED if auth_key is not None else 0, len(payload), checksum(key, payload))
+    if auth_key is None:
+        return b"".join((header, payload))
+    return b"".join((header, keyed_hash(auth_key, header, key, payload), payload))
+
+
+def decode_value(key: bytes, blob: bytes, expected_len: int,
+                 auth_key: bytes | None = None) -> tuple[memoryview | None, str]:
+    """(payload, "") for a valid value of `expected_len` bytes (signed with `auth_key` when given, unsigned
+    when not), else (None, why it is refused)."""
     if len(blob) < HEADER_BYTES:
         return None, "shorter than the header"
-    magic, version, _, length, check = HEADER.unpack_from(blob)
+    magic, version, flags, length, check = HEADER.unpack_from(blob)
     if magic != MAGIC or version != VERSION:
         return None, "bad magic or version"
-    if length != expected_len or len(blob) != HEADER_BYTES + length:
-        return None, f"length {length} (value {len(blob) - HEADER_BYTES}) instead of {expected_len}"
-    payload = memoryview(blob)[HEADER_BYTES:]
+    if flags & ~KEYED:
+        return None, f"unknown flags {flags:#x}"
+    if flags & KEYED and auth_key is None:
+        return None, "signed with a key (no remote.auth_key_file here)"
+    if not flags & KEYED and auth_key is not None:
+        return None, "not signed (remote.auth_key_file is set)"
+    start = HEADER_BYTES + (MAC_BYTES if auth_key is not None else 0)
+    if length != expected_len or len(blob) != start + length:
+        return None, f"length {length} (value {len(blob) - start}) instead of {expected_len}"
+    payload = memoryview(blob)[start:]
     if checksum(key, payload) != check:
         return None, "checksum mismatch"
+    if auth_key is not None and not hmac.compare_digest(
+            keyed_hash(auth_key, memoryview(blob)[:HEADER_BYTES], key, payload), blob[HEADER_BYTES:start]):
+        return None, "keyed hash mismatch (forged, or signed with another key)"
     return payload, ""

@@ -10,14 +10,16 @@ there and verified; it is on the server (for the report) when every one of them 
 Two daemon threads, each with its own `RemoteClient`, sharing one breaker and one `RemoteCounters`:
 - the fetch thread takes fetch jobs (event id, CPU block ids, cache keys), GETs this rank's parts' keys in
   pipelined batches, checks each value (`remote_format.decode_value`: header, length = a part's bytes,
-  checksum seeded with its key) and copies the parts of blocks whose every part is good into the host
-  pool's rows. A missing, refused or corrupt part fails its block (a corrupt one is also deleted from the
-  server). Results are polled.
+  checksum seeded with its key, and with `remote.auth_key_file` the keyed hash) and copies the parts of
+  blocks whose every part is good into the host pool's rows: no byte of a value reaches the pool before
+  the value passed every check. A missing, refused or corrupt part fails its block (a corrupt one, forged
+  or signed with another key included, is counted in `corrupt_blocks` and deleted from the server: left
+  there it would block the rightful writer's `SET NX` until its TTL). Results are polled.
   Invariant: a job writes only its own CPU blocks, which the scheduler holds (reserved) until it has seen
   every rank's result, so nobody else reads or writes those rows meanwhile.
 - the write thread drains a queue of per-block snapshots (each part's key and payload) with pipelined
-  `SET key value NX EX ttl`; the cache keys of blocks now on the server (every part written, or there
-  already) go into the next report.
+  `SET key value NX EX ttl` (each value signed with the auth key when there is one); the cache keys of
+  blocks now on the server (every part written, or there already) go into the next report.
   `write` copies the blocks' bytes out of the host pool on the caller's thread, at store completion,
   before the scheduler can hear of it and reuse the blocks: a write never reads a row that changed.
   The queue holds at most `max_inflight_bytes` of payload; beyond it, or while the breaker is open, blocks
@@ -34,6 +36,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from offload_connector.auth_key import load_auth_key
 from offload_connector.metadata import TierReport
 from offload_connector.remote.breaker import CircuitBreaker, RemoteCounters
 from offload_connector.remote.client import RemoteClient
@@ -71,9 +74,11 @@ class RemoteWorkerIO(TierIO):
     name = "remote"
 
     def __init__(self, remote: RemoteConfig, key_prefix: str, rank: int, world_size: int, pool: HostPool,
-                 parts: BlockParts | None = None) -> None:
-        """`parts`: the block's parts on the server and this rank's (default: one per rank)."""
+                 parts: BlockParts | None = None, auth_key: bytes | None = None) -> None:
+        """`parts`: the block's parts on the server and this rank's (default: one per rank). `auth_key`:
+        sign every value written and serve only values signed with it (None: unsigned values only)."""
         self.remote, self.prefix, self.rank, self.world_size = remote, key_prefix, rank, world_size
+        self.auth_key = auth_key
         self.parts = parts if parts is not None else BlockParts(rank_labels(world_size), rank, rank + 1)
         self.labels = self.parts.mine
         self.rows = HeadRows(pool, len(self.labels))
@@ -98,8 +103,10 @@ class RemoteWorkerIO(TierIO):
     @classmethod
     def create(cls, section: RemoteConfig, identity: TierIdentity, rank: int, world_size: int,
                pool: HostPool) -> RemoteWorkerIO:
+        """Reads the auth key first (`AuthKeyError` naming `remote.auth_key_file`), before any thread starts."""
+        auth_key = load_auth_key("remote.auth_key_file", section.auth_key_file)
         return cls(section, key_prefix(identity, section.namespace), rank, world_size, pool,
-                   BlockParts.of(identity, rank, world_size))
+                   BlockParts.of(identity, rank, world_size), auth_key)
 
     def keys(self, cache_key: bytes) -> list[bytes]:
         """The server keys of this rank's parts of one block, in the order of its parts."""
@@ -157,7 +164,7 @@ class RemoteWorkerIO(TierIO):
                 if blob is None:
                     missing = True
                     continue
-                payload, why = decode_value(key, blob, rows.part_bytes)
+                payload, why = decode_value(key, blob, rows.part_bytes, self.auth_key)
                 if payload is None:
                     logger.warning("remote value %s refused (%s); deleting it", key.decode(errors="replace"), why)
                     corrupt.append(key)
@@ -218,8 +225,9 @@ class RemoteWorkerIO(TierIO):
     def _write_batch(self, batch: list[tuple[bytes, list[tuple[bytes, memoryview]]]]) -> None:
         """(cache key, [(server key, payload) per part]) per block; the blocks whose every part is now on the
         server join `_on_server`."""
-        replies = self._write_client.set_nx_many([(k, encode_value(k, p)) for _, parts in batch for k, p in parts],
-                                                 self.remote.ttl_seconds)
+        auth_key = self.auth_key
+        replies = self._write_client.set_nx_many(
+            [(k, encode_value(k, p, auth_key)) for _, parts in batch for k, p in parts], self.remote.ttl_seconds)
         counters = self.counters
         if replies is None:
             counters.dropped_writes += len(batch)

@@ -18,7 +18,8 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-from offload_connector.disk.config import DiskConfig, read_auth_key
+from offload_connector.auth_key import load_auth_key
+from offload_connector.disk.config import DiskConfig
 from offload_connector.disk.counters import DiskIndexCounters
 from offload_connector.disk.directory import DirectoryLock, open_private_dir
 from offload_connector.disk.format import Verifier, rank_dir_name, rank_fingerprint, record_bytes
@@ -64,7 +65,7 @@ class DiskTier(LowerTier):
         or written here."""
         root = open_private_dir(section.path)
         lock = DirectoryLock(root, section.path)
-        auth = read_auth_key(section.auth_key_file) if section.auth_key_file else None
+        auth = load_auth_key("disk.auth_key_file", section.auth_key_file)
         fingerprints = [rank_fingerprint(context.identity, r, context.world_size) for r in range(context.world_size)]
         files = FileWorker([os.path.join(root, rank_dir_name(f)) for f in fingerprints],
                            [Verifier(f, auth) for f in fingerprints], None)

@@ -19,7 +19,7 @@ DESCRIPTIONS = {
     "fetched_blocks": "blocks fetched into the CPU tier and verified (all ranks)",
     "fetched_bytes": "bytes fetched (all ranks)",
     "fetch_miss_blocks": "blocks gone between lookup and fetch (all ranks)",
-    "corrupt_blocks": "values refused by the checksum/length check, deleted (all ranks)",
+    "corrupt_blocks": "values refused by their checks (length, checksum, keyed hash), deleted (all ranks)",
     "written_blocks": "blocks written (SET NX accepted; all ranks)",
     "write_exists": "writes of keys already on the server (all ranks)",
     "written_bytes": "bytes written (all ranks)",

@@ -105,7 +105,8 @@ class RemoteTier(LowerTier):
 
     @staticmethod
     def describe(section: RemoteConfig) -> str:
-        return f"remote tier {', '.join(map(redact, remote_urls(section)))}"
+        signed = ", records signed (remote.auth_key_file)" if section.auth_key_file else ""
+        return f"remote tier {', '.join(map(redact, remote_urls(section)))}{signed}"
 
     def counter_values(self) -> tuple[int, ...]:
         """Both sides' counters summed, in `REMOTE_COUNTERS` order (for stats)."""

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from offload_connector.disk.config import DiskConfig, read_auth_key
+from offload_connector.auth_key import load_auth_key
+from offload_connector.disk.config import DiskConfig
 from offload_connector.disk.directory import open_private_dir
 from offload_connector.disk.format import rank_fingerprint
 from offload_connector.metadata import TierReport
@@ -33,7 +34,7 @@ class DiskTierIO(TierIO):
     def create(cls, section: DiskConfig, identity: TierIdentity, rank: int, world_size: int,
                pool: HostPool) -> DiskTierIO:
         root = open_private_dir(section.path)
-        auth = read_auth_key(section.auth_key_file) if section.auth_key_file else None
+        auth = load_auth_key("disk.auth_key_file", section.auth_key_file)
         return cls(DiskWorkerIO(section, root, rank_fingerprint(identity, rank, world_size),
                                 PoolSegments.from_pool(pool), auth))
 
