@@ -55,19 +55,26 @@ class CircuitBreaker:
             return False
 
     def on_success(self) -> None:
+        """A call succeeded: closes the breaker, unless it is open (a call started before it opened, as
+        `on_failure` ignores such failures: one write that still fit on a full disk must not reopen it)."""
         with self._lock:
+            self._advance()
+            if self._state == OPEN:
+                return
             self._state, self._backoff, self._trial_out = CLOSED, self._initial, False
 
-    def on_failure(self) -> None:
-        """A connection-level failure (refused, reset, timed out, authentication): open for the backoff."""
+    def on_failure(self) -> bool:
+        """A connection-level failure (refused, reset, timed out, authentication): open for the backoff.
+        True when this call opened it (one caller among threads failing together)."""
         with self._lock:
             if self._state == OPEN:
-                return  # a call started before the breaker opened: the backoff already runs
+                return False  # a call started before the breaker opened: the backoff already runs
             if self._state == HALF_OPEN:
                 self._backoff = min(self._backoff * 2, self._max)
             self._state, self._trial_out = OPEN, False
             self._open_until = self._clock() + self._backoff
             self.num_trips += 1
+            return True
 
 
 @dataclass(slots=True)

@@ -115,9 +115,7 @@ class RemoteClient:
 
     def _on_connection_error(self, exc: BaseException) -> None:
         self.counters.errors += 1
-        was = self.breaker.state
-        self.breaker.on_failure()
-        if was != "open":
+        if self.breaker.on_failure():  # (only the call that opened it warns)
             logger.warning("remote tier %s unavailable (%s: %s); pausing it", self._where, type(exc).__name__, exc)
         self._redis = _drop(self._redis)
 

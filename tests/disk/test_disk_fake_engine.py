@@ -176,7 +176,7 @@ def test_disk_full_during_a_run_steps_aside_and_the_engine_goes_on(tmp_path, cap
             c = counters(a)
         assert c["written_blocks"] > 0 and c["dropped_writes"] > 0 and c["breaker_trips"] >= 1
         warnings = [r for r in caplog.records if "disk tier" in r.getMessage() and r.levelno >= logging.WARNING]
-        assert len(warnings) == 1 and "ENOSPC" in warnings[0].getMessage()
+        assert len(warnings) == 1 and "ENOSPC" in warnings[0].getMessage(), [w.getMessage() for w in warnings]
 
 
 def test_a_filesystem_turned_read_only_mid_run_still_serves_reads(tmp_path):

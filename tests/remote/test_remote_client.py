@@ -123,6 +123,22 @@ def test_breaker_opens_backs_off_doubles_and_recovers() -> None:
     assert b.allow()
 
 
+def test_breaker_ignores_calls_that_started_before_it_opened() -> None:
+    """Threads failing together: only the first failure opens it (and says so); a call that started before
+    and succeeds late leaves it open. Before: a late success closed it, and the next failure tripped it (and
+    warned) again within the backoff."""
+    now = [0.0]
+    b = CircuitBreaker(1.0, 4.0, clock=lambda: now[0])
+    assert b.allow() and b.allow()  # two calls in flight
+    assert b.on_failure() and not b.on_failure()
+    b.on_success()  # a third call, started before, done late
+    assert b.state == OPEN and not b.allow() and b.num_trips == 1
+    now[0] = 1.0
+    assert b.allow()  # the trial
+    b.on_success()
+    assert b.state == CLOSED
+
+
 def test_breaker_refuses_bad_backoffs() -> None:
     with pytest.raises(ValueError):
         CircuitBreaker(0, 1)

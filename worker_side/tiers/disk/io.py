@@ -128,11 +128,11 @@ class DiskWorkerIO:
 
     # ---- one block -----------------------------------------------------------------------------------
     def _io_failed(self, breaker: CircuitBreaker, what: str, exc: OSError) -> None:
-        self.counters.errors += 1
-        trips = breaker.num_trips
-        breaker.on_failure()
-        if breaker.num_trips != trips:
-            self.counters.breaker_trips += 1
+        with self._lock:
+            self.counters.errors += 1
+        if breaker.on_failure():  # (I/O threads failing together: only the one that opened it warns)
+            with self._lock:
+                self.counters.breaker_trips += 1
             logger.warning("disk tier: %s failed in %s (%s); %ss step aside for %.1f s and are retried after, "
                            "the engine goes on without them", what, self.dir, errno.errorcode.get(exc.errno or 0,
                            exc.strerror), what, self.disk.breaker_backoff_ms / 1000)
