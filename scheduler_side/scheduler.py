@@ -127,7 +127,7 @@ class OffloadScheduler:
     def _on_cpu_evict(self, key: bytes, evicted: bool) -> None:
         """The CPU pool dropped `key`: evicted by allocation (`evicted`; the store policy hears of it unless a
         lower tier keeps it: then of that tier's drops) or forgotten. The KV event log records either."""
-        if evicted and not any(tier.keeps_cpu_evictions() for tier in self._keeping):
+        if evicted and not (self._keeping and any(tier.keeps_cpu_evictions() for tier in self._keeping)):
             self.policy.on_cpu_evicted(key)
         self.kv_events.on_cpu_evict(key, evicted)
 

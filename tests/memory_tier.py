@@ -11,6 +11,7 @@ waits for the fetch event like any tier's.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,11 +25,11 @@ from offload_connector.config import OffloadConfig
 from offload_connector.hashing import with_group_id
 from offload_connector.metadata import TierOps, TierReport, TransferMetadata
 from offload_connector.tier_identity import TierIdentity
-from scheduler_side.errors import SchedulerError
 from scheduler_side.pool.block import Block
 from scheduler_side.request_state import RequestState
 from scheduler_side.tiers import registry as scheduler_registry
 from scheduler_side.tiers.base import LowerTier, TierContext
+from scheduler_side.tiers.fetch_reports import FetchEvent, apply_fetch_report, settle_fetch
 from worker_side.host_pool import HostPool
 from worker_side.tiers import registry as worker_registry
 from worker_side.tiers.base import TierIO
@@ -47,6 +48,8 @@ class MemoryTierConfig(OffloadConfig, kw_only=True):
 def with_memory(config: OffloadConfig, store: str, **section) -> MemoryTierConfig:
     return MemoryTierConfig(**msgspec.structs.asdict(config), memory=MemorySection(store=store, **section))
 
+
+logger = logging.getLogger("tests.memory_tier")
 
 @dataclass
 class MemoryStore:
@@ -76,16 +79,6 @@ def registered(nearest: bool = True) -> Iterator[None]:
     finally:
         lower_tiers.LOWER_TIERS = saved
         del scheduler_registry.TIERS["memory"], worker_registry.TIER_IOS["memory"]
-
-
-@dataclass
-class FetchEvent:
-    event_id: int
-    cpu_blocks: list[Block] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)
-    reported_ranks: set[int] = field(default_factory=set)
-    failed_cpu_ids: set[int] = field(default_factory=set)
-    failed: bool = False
 
 
 class MemoryTier(LowerTier):
@@ -190,30 +183,12 @@ class MemoryTier(LowerTier):
             if len(ranks) == self.context.world_size:
                 del self.written_ranks[key]
                 self.written.append(key)
-        committed: list[bytes] = []
-        for event_id in report.completed_fetch_events:
-            event = self.events.get(event_id)
-            if event is None:
-                raise SchedulerError(f"memory fetch event {event_id} is not in flight")
-            if rank in event.reported_ranks:
-                continue
-            event.reported_ranks.add(rank)
-            failed = set(report.failed_fetch_cpu_blocks)
-            event.failed_cpu_ids |= {b.block_id for b in event.cpu_blocks if b.block_id in failed}
-            if len(event.reported_ranks) == self.context.world_size:
-                committed += self._complete(event)
-        return committed
+        return apply_fetch_report(self.events, self.next_event, report, rank, self.context.world_size,
+                                  self._complete, "memory fetch event", logger)
 
     def _complete(self, event: FetchEvent) -> list[bytes]:
         del self.events[event.event_id]
-        pool = self.context.cpu_pool
-        bad = [b for b in event.cpu_blocks if event.failed or b.block_id in event.failed_cpu_ids]
-        good = [b for b in event.cpu_blocks if not (event.failed or b.block_id in event.failed_cpu_ids)]
-        pool.abort(bad)
-        pool.free(bad, front=True)
-        keys = pool.commit(good)
-        pool.free(good)
-        return keys
+        return settle_fetch(self.context.cpu_pool, event)
 
     def take_written(self) -> list[bytes]:
         keys, self.written = self.written, []

@@ -9,39 +9,12 @@ Both engines run with PYTHONHASHSEED=0: vLLM's block hashes are otherwise random
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from redis_servers import redis_server  # noqa: F401 - fixture
+from vllm_tier_engines import FIRST, SECOND, engine
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = Path(__file__).resolve().parents[1] / "vllm_remote_engine.py"
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    return [100 + (seed * 37 + i * 11) % 800 for i in range(n)]
-
-
-X, Y = tokens(1, 128), tokens(2, 128)
-FIRST = [X + tokens(11, 16), Y + tokens(12, 16)]
-SECOND = [X + tokens(13, 16), Y + tokens(14, 16)]
-
-
-def engine(args: dict) -> dict:
-    env = dict(os.environ, PYTHONHASHSEED="0", PYTHONPATH=os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(SCRIPT), json.dumps(args)], capture_output=True, text=True,
-                          env=env, timeout=900, cwd=ROOT)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
 
 
 def test_second_engine_hits_the_first_ones_prefixes(redis_server) -> None:  # noqa: F811

@@ -30,7 +30,7 @@ from scheduler_side.pool.block_pool import BlockPool
 from scheduler_side.pool.free_queue import Block
 from scheduler_side.request_state import RequestState
 from scheduler_side.tiers.disk.index import DiskIndex
-from scheduler_side.tiers.fetch_reports import apply_fetch_report
+from scheduler_side.tiers.fetch_reports import FetchEvent, apply_fetch_report, settle_fetch
 
 logger = logging.getLogger("scheduler_side.scheduler")
 
@@ -48,18 +48,6 @@ class DiskWait:
     done: bool = False  # ... until the wait ends, so the run read from disk still follows a cached prefix
 
 
-@dataclass(slots=True)
-class ReadEvent:
-    """One step's reads. Holds one reference on each CPU block; their keys are reservations until done."""
-
-    event_id: int
-    cpu_blocks: list[Block] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)
-    reported_ranks: set[int] = field(default_factory=set)
-    failed_cpu_ids: set[int] = field(default_factory=set)
-    failed: bool = False  # every block fails (reset_cache)
-
-
 class DiskReads:
     def __init__(self, disk: DiskConfig, cpu_pool: BlockPool, allocate_cpu: Callable[[int], list[Block]],
                  index: DiskIndex, counters: DiskIndexCounters, world_size: int, group_id: int,
@@ -69,8 +57,8 @@ class DiskReads:
         self.clock, self._on_dropped = clock, on_dropped
         self._waits: dict[str, DiskWait] = {}
         self._waiting: set[str] = set()
-        self._events: dict[int, ReadEvent] = {}
-        self._to_send: ReadEvent | None = None
+        self._events: dict[int, FetchEvent] = {}
+        self._to_send: FetchEvent | None = None
         self._next_event = 0
         self._reading_blocks = 0  # blocks of waits with a read issued, until each wait ends
         self._max_reading_blocks = max(1, (cpu_pool.num_blocks - 1) // 4)
@@ -128,7 +116,7 @@ class DiskReads:
         self.index.pin(keys)
         event = self._to_send
         if event is None:
-            event = self._to_send = ReadEvent(self._next_event)
+            event = self._to_send = FetchEvent(self._next_event)
             self._next_event += 1
         event.cpu_blocks.extend(blocks)
         event.keys.extend(keys)
@@ -167,7 +155,7 @@ class DiskReads:
         if wait is not None:
             self._stop(state.request_id, wait)
 
-    def take_event(self) -> ReadEvent | None:
+    def take_event(self) -> FetchEvent | None:
         """This step's read event (None: none), now in flight; call once per step after every allocation."""
         event, self._to_send = self._to_send, None
         if event is not None:
@@ -179,20 +167,14 @@ class DiskReads:
         return apply_fetch_report(self._events, self._next_event, report, rank, self.world_size, self._complete,
                                   "disk read event", logger)
 
-    def _complete(self, event: ReadEvent) -> list[bytes]:
+    def _complete(self, event: FetchEvent) -> list[bytes]:
         del self._events[event.event_id]
-        pool = self.cpu_pool
-        bad = [b for b in event.cpu_blocks if event.failed or b.block_id in event.failed_cpu_ids]
-        good = [b for b in event.cpu_blocks if not (event.failed or b.block_id in event.failed_cpu_ids)]
         self.index.unpin(event.keys)
         for block, key in zip(event.cpu_blocks, event.keys, strict=True):
             if block.block_id in event.failed_cpu_ids and self.index.drop(key):
                 self.counters.dropped_blocks += 1
                 self._on_dropped(key)
-        pool.abort(bad)
-        pool.free(bad, front=True)
-        keys = pool.commit(good)
-        pool.free(good)
+        keys = settle_fetch(self.cpu_pool, event)
         self.counters.lookup_hit_blocks += len(keys)
         return keys
 

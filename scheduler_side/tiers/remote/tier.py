@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from offload_connector.hashing import with_group_id
 from offload_connector.metadata import TierOps, TierReport, TransferMetadata
@@ -34,7 +34,7 @@ from scheduler_side.pool.block_pool import BlockPool
 from scheduler_side.pool.free_queue import Block
 from scheduler_side.request_state import RequestState
 from scheduler_side.tiers.base import LowerTier, TierContext
-from scheduler_side.tiers.fetch_reports import apply_fetch_report
+from scheduler_side.tiers.fetch_reports import FetchEvent, apply_fetch_report, settle_fetch
 from scheduler_side.tiers.remote.lookups import RemoteLookups
 from scheduler_side.tiers.remote.stats import DESCRIPTIONS, GAUGES, REMOTE_COUNTERS
 
@@ -51,18 +51,6 @@ class RemoteWait:
     ticket: int | None  # the existence check in flight, None once answered
     fetch_event: int | None = None  # the fetch event bringing the run into the CPU tier
     done: bool = False  # no longer waiting (answered, fetched, or timed out); never asks again
-
-
-@dataclass(slots=True)
-class FetchEvent:
-    """One step's fetches. Holds one reference on each CPU block; their keys are reservations until done."""
-
-    event_id: int
-    cpu_blocks: list[Block] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)
-    reported_ranks: set[int] = field(default_factory=set)
-    failed_cpu_ids: set[int] = field(default_factory=set)  # failed on any rank
-    failed: bool = False  # every block fails (reset_cache)
 
 
 class RemoteTier(LowerTier):
@@ -266,14 +254,7 @@ class RemoteTier(LowerTier):
 
     def _complete(self, event: FetchEvent) -> list[bytes]:
         del self._events[event.event_id]
-        pool = self.cpu_pool
-        bad = [b for b in event.cpu_blocks if event.failed or b.block_id in event.failed_cpu_ids]
-        good = [b for b in event.cpu_blocks if not (event.failed or b.block_id in event.failed_cpu_ids)]
-        pool.abort(bad)
-        pool.free(bad, front=True)
-        keys = pool.commit(good)
-        pool.free(good)
-        return keys
+        return settle_fetch(self.cpu_pool, event)
 
     def fail_in_flight(self) -> None:
         """reset_cache: nothing fetched before now becomes hit-able, and the tier is off from now on for
