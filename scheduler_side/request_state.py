@@ -32,6 +32,10 @@ class Phase(enum.Enum):
     RUNNING = "running"  # allocated and computing
     FINISHED = "finished"  # the engine is done with it; kept only until its load completes
 
+    # Members are singletons compared by identity: hash them in C (Enum's own hashes the name in Python,
+    # and `move_to` hashes two members a call).
+    __hash__ = object.__hash__
+
 
 _LOOKUP = {Phase.NEW, Phase.LOOKED_UP, Phase.PENDING_HIT}
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
