@@ -71,13 +71,20 @@ class Stores:
         picks = self.policy.pick_stores()
         if picks.refresh_keys:  # (a reserved key has no copy to move yet)
             self.cpu_pool.make_recent([b for b in map(self.cpu_pool.cached.get, picks.refresh_keys) if b is not None])
-        event = self._emit_store(meta, picks.gpu_ids, picks.keys, loaded) if picks.gpu_ids else None
-        if picks.release_gpu_ids:  # blocks the policy held for this event (which took its own references)
-            self.gpu_pool.free(picks.release_gpu_ids)
+        held = picks.release_gpu_ids  # blocks the policy held for this event: their holds end now
+        event = self._emit_store(meta, picks.gpu_ids, picks.keys, loaded, held) if picks.gpu_ids else None
+        if held:  # a held block the event stores keeps the hold's reference as the event's (no touch, no free)
+            if event is not None:
+                stored = set(event.gpu_block_ids)
+                held = [gpu_id for gpu_id in held if gpu_id not in stored]
+            if held:
+                self.gpu_pool.free(held)
         self.policy.on_stores_emitted(*((event.event_id, event.gpu_block_ids) if event else (None, [])))
 
     def _emit_store(self, meta: TransferMetadata, gpu_ids: list[int], keys: list[bytes],
-                    loaded: Sequence[LoadJob] = ()) -> StoreEvent | None:
+                    loaded: Sequence[LoadJob] = (), held: Sequence[int] = ()) -> StoreEvent | None:
+        """`held`: GPU blocks the policy holds a reference on (distinct); the event takes over that reference
+        of each it stores instead of its own (the caller releases the rest)."""
         cpu_blocks = self._reuse_load_slots(loaded, len(gpu_ids)) if loaded else []
         meta.store_after_load = bool(cpu_blocks)
         cpu_blocks += self.allocate_cpu(len(gpu_ids) - len(cpu_blocks))
@@ -86,7 +93,11 @@ class Stores:
             gpu_ids, keys = gpu_ids[:len(cpu_blocks)], keys[:len(cpu_blocks)]
         if not gpu_ids:
             return None
-        self.gpu_pool.touch(gpu_ids)
+        if held:
+            holds = set(held)
+            self.gpu_pool.touch([gpu_id for gpu_id in gpu_ids if gpu_id not in holds])
+        else:
+            self.gpu_pool.touch(gpu_ids)
         self.cpu_pool.reserve(cpu_blocks, keys)  # hit-able only once every rank has copied its shard
         event = self.transfers.issue_store_event(gpu_ids, cpu_blocks)
         meta.store_event = event.event_id
