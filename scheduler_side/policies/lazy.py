@@ -125,8 +125,8 @@ class LazyStorePolicy(StorePolicy):
             self._pending += max(0, -(-state.request.num_tokens // self.view.block_size) - len(state.gpu_block_ids))
         if not num_gpu_hit_blocks or not self._cpu_under_pressure:
             return []
-        hashes, group = state.request.block_hashes, self.view.group_id
-        return [with_group_id(hashes[i], group) for i in range(min(num_gpu_hit_blocks, len(hashes)))]
+        suffix = self._suffix
+        return [h + suffix for h in state.request.block_hashes[:num_gpu_hit_blocks]]  # with_group_id, inlined
 
     def on_load_complete(self, job: LoadJob) -> bool:
         """The loaded blocks are resident on the GPU now: under CPU pressure their CPU copies give way."""
@@ -250,9 +250,10 @@ class LazyStorePolicy(StorePolicy):
         view = self.view
         held, self._held = self._held, {}
         picks = StorePicks(release_gpu_ids=list(held.values()))  # every hold ends with this event
-        is_saved, is_dead = view.is_saved, view.is_dead
-        for key, gpu_id in held.items():
-            if not is_saved(key) and not is_dead(key):  # it may have reached the CPU since (a lower tier's fetch)
+        cached, reserved = view.saved_key_maps()
+        dead = view.is_dead if view.may_have_dead() else None
+        for key, gpu_id in held.items():  # (one may have reached the CPU since: a lower tier's fetch)
+            if key not in cached and key not in reserved and not (dead and dead(key)):
                 picks.gpu_ids.append(gpu_id)
                 picks.keys.append(key)
         picked = set(picks.keys)
@@ -269,13 +270,15 @@ class LazyStorePolicy(StorePolicy):
         room = view.cpu_num_free_blocks() - len(picks.gpu_ids)
         # Block by block from the head while the budget lasts: an unsaved block is picked (while the tier has
         # room) at `pick_cost`, any other block costs 1 (frontier_scan.py walks the runs between unsaved ones).
-        cached, reserved = view.saved_key_maps()
-        dead = view.is_dead if view.may_have_dead() else None
         num = max(0, ceil(budget)) + 64  # a prefix long enough unless picks cost little: then read more
         while True:
             ids, keys = view.gpu_frontier(num)
-            candidates = [i for i, key in enumerate(keys) if key is not None and key not in cached
-                          and key not in reserved and not (dead and dead(key))]
+            if dead is None:  # (the common case: no admission filter, one check less per block read)
+                candidates = [i for i, key in enumerate(keys)
+                              if key is not None and key not in cached and key not in reserved]
+            else:
+                candidates = [i for i, key in enumerate(keys) if key is not None and key not in cached
+                              and key not in reserved and not dead(key)]
             taken = set(picked)
             num_scanned, positions, short = scan_frontier(keys, candidates, budget, pick_cost, room, taken)
             if not short or len(keys) < num:
