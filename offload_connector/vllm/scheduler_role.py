@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 _block_id = attrgetter("block_id")
+_step = tuple.__new__  # StepRequest(...) without its Python-level __new__ (per scheduled request)
 
 
 class SchedulerRole:
@@ -106,14 +107,18 @@ class SchedulerRole:
         drafted, previously_drafted = scheduler_output.scheduled_spec_decode_tokens, self._drafted
         self._drafted = set(drafted)
         kept = resumed_ids.union(drafted, previously_drafted) if drafted or previously_drafted else resumed_ids
-        for req_id, new_ids, before in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
-                                           strict=True):
-            after = before + num_scheduled[req_id]
-            if after // bs == before // bs and (new_ids is None or not (new_ids[0] if one else any(new_ids))) \
-                    and req_id not in kept:
-                continue  # StepRequest's contract: no new block, none completed (a decode step): leave it out
-            ids = (new_ids[0] if new_ids else []) if one else (new_ids if new_ids is not None else empty)
-            steps.append(StepRequest(req_id, ids, after, req_id in resumed_ids))
+        # StepRequest's contract: a request with no new block that completes none (a decode step) is left
+        # out unless kept; most of a batch is (comprehensions, and tuple.__new__ for the StepRequests).
+        changed = [(req_id, new_ids, before + n) for req_id, new_ids, before, n in zip(
+                       cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                       map(num_scheduled.__getitem__, cached.req_ids), strict=True)
+                   if (before + n) // bs != before // bs or (new_ids is not None and any(new_ids)) or req_id in kept]
+        if one:
+            steps += [_step(StepRequest, (req_id, new_ids[0] if new_ids else [], after, req_id in resumed_ids))
+                      for req_id, new_ids, after in changed]
+        else:
+            steps += [_step(StepRequest, (req_id, empty if new_ids is None else new_ids, after, req_id in resumed_ids))
+                      for req_id, new_ids, after in changed]
         return OffloadConnectorMetadata(sched.build_connector_meta(steps))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
