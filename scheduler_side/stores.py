@@ -5,9 +5,10 @@ this step's store event.
 (`on_blocks_allocated`, `on_scheduled`; several KV-cache groups: hybrid.py). `emit` asks the policy for its
 picks once, makes the CPU copies it names most recently used, takes CPU blocks for the stores (first the
 slots this step's loads read, when the policy lends them, then free ones through the scheduler's
-`allocate_cpu`, evicting), reserves their keys, issues the store event, lets go of the GPU blocks the policy
-held for it, and tells the policy what was stored. A store the CPU tier has no room for is skipped
-(`num_store_skipped_blocks`). O(scheduled requests + blocks picked) per step.
+`allocate_cpu`, evicting), reserves their keys, issues the store event (a block the policy held passes the
+hold's reference to the event), lets go of the other held blocks, and tells the policy what was stored. A
+store the CPU tier has no room for is skipped (`num_store_skipped_blocks`). O(scheduled requests + blocks
+picked) per step.
 
 Mutates: scheduled requests' `RequestState` (blocks, computed tokens; the policy its store cursor),
 `Transfers.store_events` (a new event holds one reference on each of its GPU and CPU blocks), CPU blocks
