@@ -4,7 +4,9 @@ The same request stream goes through the three variants (benchmarks/vllm_sim.py:
 worker completions are faked the way its real worker reports them, so both CPU caches fill and hit).
 Timed per step: `Scheduler.schedule()` + `update_from_output()`, i.e. the scheduler process's work,
 after `--warmup-steps` untimed steps. Headline: ours_vs_simple = (ours - none) / (simple - none), the
-connector overhead above no connector, ours divided by Simple's (goal <= 0.5).
+connector overhead above no connector, ours divided by Simple's (goal <= 0.5). `--simple-lazy` runs Simple
+with its `lazy_offload` mode instead: each step it walks on along the GPU free queue from where it stopped,
+about twice the per-step token budget in blocks, and stores the cached blocks it passes that the CPU lacks.
 
 Workload (defaults; about 97 requests running): requests arrive at `--rate` per step; each prompt is
 one of `--prefixes` shared prefixes of `--prefix-blocks` blocks (Zipf-like popularity) + 1-4 unique
@@ -22,7 +24,7 @@ AsyncScheduler and two batches in flight, the default of vLLM's GPU builds) and 
 (mean / max).
 
     python benchmarks/bench_scheduler.py [--workload default|hit-heavy] [--json] [--breakdown] [--repeats N]
-                                         [--profile ours|simple|none] [--store-policy eager|lazy]
+                                         [--profile ours|simple|none] [--store-policy eager|lazy] [--simple-lazy]
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def shape_of(args: argparse.Namespace) -> SimShape:
     return SimShape(num_gpu_blocks=args.gpu_blocks, num_cpu_blocks=args.cpu_blocks, block_size=args.block_size,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     max_model_len=2048, remote_url=getattr(args, "remote_url", None),
-                    store_policy=getattr(args, "store_policy", None))
+                    store_policy=getattr(args, "store_policy", None), simple_lazy=getattr(args, "simple_lazy", False))
 
 
 class Feed:
@@ -245,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="extra run timing each connector hook (CPU us/step per hook, both connectors)")
     p.add_argument("--store-policy", choices=("eager", "lazy"),
                    help="ours' store_policy (default: unset, the default configuration's)")
+    p.add_argument("--simple-lazy", action="store_true",
+                   help="run Simple with its lazy_offload mode (a cursor along the GPU free queue) instead of its "
+                        "default (every computed block); the idle-engine steps-to-first-compute stay Simple's default")
     p.add_argument("--json", action="store_true")
     p.add_argument("--remote", action="store_true",
                    help="also run ours with the remote tier on (a throwaway redis-server on a loopback port)")
@@ -274,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     hidden = {"json", "profile", "profile_top", "breakdown", "remote", "remote_url"}
     if args.store_policy is None:  # the default configuration's: the JSON keeps its keys
         hidden.add("store_policy")
+    if not args.simple_lazy:
+        hidden.add("simple_lazy")
     if args.workload == "default":  # the default JSON keeps its keys
         hidden |= {"workload", "zipf"}
     else:
@@ -334,7 +341,8 @@ def print_readable(out: dict) -> None:
         print(f"{variant:8}" + "".join(f"{'-' if r.get(c) is None else r[c]:>13}" for c in cols))
         for problem in r["problems"]:
             print(f"  PROBLEM ({variant}): {problem}")
-    print(f"connector overhead per step: ours {out['ours_overhead_us']} us, Simple {out['simple_overhead_us']} us"
+    simple = "Simple (lazy_offload)" if w.get("simple_lazy") else "Simple"
+    print(f"connector overhead per step: ours {out['ours_overhead_us']} us, {simple} {out['simple_overhead_us']} us"
           f" -> ours_vs_simple = {out['ours_vs_simple']} (goal <= 0.5)")
     print(f"steps from admission to first compute (CPU hit, idle engine): ours "
           f"{out['ours_steps_to_first_compute']}, Simple {out['simple_steps_to_first_compute']}; async scheduling "

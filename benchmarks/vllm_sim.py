@@ -89,6 +89,7 @@ class SimShape:
     async_scheduling: bool = False  # AsyncScheduler with two batches in flight
     remote_url: str | None = None  # the server of the REMOTE_VARIANT
     store_policy: str | None = None  # ours' `store_policy` (None: the default configuration's)
+    simple_lazy: bool = False  # Simple's `lazy_offload` (a cursor along the GPU free queue; default: every block)
 
 
 def build_scheduler(variant: str, shape: SimShape) -> Scheduler:
@@ -110,7 +111,8 @@ def build_scheduler(variant: str, shape: SimShape) -> Scheduler:
         # Simple sizes its pool as num_gpu_blocks * cpu_bytes // gpu_bytes: exactly num_cpu_blocks here.
         kv_transfer = KVTransferConfig(
             kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
-            kv_connector_extra_config={"cpu_bytes_to_use": shape.num_cpu_blocks * page})
+            kv_connector_extra_config={"cpu_bytes_to_use": shape.num_cpu_blocks * page,
+                                       "lazy_offload": shape.simple_lazy})
     else:
         raise ValueError(f"variant {variant!r}; allowed: {', '.join(VARIANTS)}")
     model_config = ModelConfig(model=MODEL_DIR, skip_tokenizer_init=True, dtype="float32", seed=0,
@@ -375,7 +377,7 @@ class VllmSim:
 
 
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-         "update_connector_output", "request_finished", "take_events", "get_kv_connector_stats",
+         "update_connector_output", "request_finished", "request_finished_all_groups", "take_events", "get_kv_connector_stats",
          "has_pending_push_work")
 
 

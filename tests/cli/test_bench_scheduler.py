@@ -1,0 +1,26 @@
+"""benchmarks/bench_scheduler.py end to end on a short hit-heavy stream: vLLM's real Scheduler with no connector,
+Simple and ours, in lockstep. The benchmark's own checks (every request ends with exactly its outputs, no
+block leaks, vLLM's hit tokens equal the blocks loaded) make it exit 1; these runs must exit 0."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from benchmarks import bench_scheduler  # noqa: E402
+
+SHORT = ["--workload", "hit-heavy", "--requests", "300", "--warmup-steps", "20", "--json"]
+
+
+@pytest.mark.parametrize("simple_lazy", [False, True])
+def test_a_short_run_is_clean_and_names_the_simple_mode(simple_lazy: bool, capsys: pytest.CaptureFixture) -> None:
+    assert bench_scheduler.main(SHORT + (["--simple-lazy"] if simple_lazy else [])) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"].get("simple_lazy", False) is simple_lazy
+    for variant in ("none", "simple", "ours"):
+        assert out["variants"][variant]["problems"] == []
+    assert out["variants"]["simple"]["cpu_hit_tokens"] > 0 and out["variants"]["ours"]["cpu_hit_tokens"] > 0
+
