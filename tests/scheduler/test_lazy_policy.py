@@ -170,10 +170,34 @@ def test_lazy_holds_a_finished_requests_blocks_when_the_pool_is_nearly_full():
     assert gpu.allocate(2) is None
     meta = sched.build_connector_meta([])
     assert meta.store_gpu_blocks == ids[:2]
+    assert [gpu.blocks[i].ref_cnt for i in ids] == [1, 1, 0]  # each hold's reference is the event's now
     sched.update_connector_output(report(completed_store_events=[meta.store_event]))
     assert sched.is_idle() and gpu.num_held_blocks() == 0
     assert free_ids(gpu) == ids[:2] + [ids[2]]  # 3. once saved, the held blocks are the first to be evicted
     assert sched.get_num_new_matched_tokens(FakeRequest("B", list(range(9)), BS), 0) == (8, True)
+
+
+def test_a_held_block_the_cpu_tier_has_no_room_for_is_released_not_stored():
+    """Two held blocks, one free CPU block: the event stores the first with its hold's reference and the
+    second's hold is let go at once (free again, unsaved), so nothing stays referenced."""
+    sched, gpu = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, block_size=BS,
+                                store_policy="lazy", lazy_lookahead_blocks=8)
+    put_under_pressure(sched)
+    a = FakeRequest("A", list(range(9)), BS)
+    _, _, ids = admit(sched, gpu, a)
+    sched.build_connector_meta([step_done("A", ids, 9)])
+    sched.request_finished(a)
+    gpu.free([gpu.blocks[i] for i in reversed(ids)])
+    assert sched.policy.num_held_blocks == 2
+    pinned = sched.cpu_pool.allocate(sched.cpu_pool.num_free_blocks - 1)  # room for one store
+    meta = sched.build_connector_meta([])
+    assert meta.store_gpu_blocks == [ids[0]] and sched.stats.num_store_skipped_blocks == 1
+    assert [gpu.blocks[i].ref_cnt for i in ids] == [1, 0, 0] and sched.policy.num_held_blocks == 0
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    sched.cpu_pool.free(pinned)
+    assert sched.is_idle() and gpu.num_held_blocks() == 0
+    sched.check_integrity()
+    assert sched.get_num_new_matched_tokens(FakeRequest("B", list(range(9)), BS), 0) == (4, True)  # A's 1st only
 
 
 def test_a_held_block_saved_meanwhile_is_released_not_stored_again():
