@@ -25,8 +25,9 @@ prompt must not make many later steps keep hundreds of blocks on both tiers; wit
 their allocations move the frontier before a deferred request's turn, so admissions count in the peak.
 
 What it holds on the GPU, and the bound: when the engine's free queue is shorter than what the last store
-meant to save (the lookahead, deferred spans, prompt rests), a finishing request's unsaved blocks are held (one reference each) until the next step's store event takes
-them, at most as many as the CPU tier has free blocks; every hold is released at the next `pick_stores`.
+meant to save (the lookahead, deferred spans, prompt rests), a finishing request's unsaved blocks are held
+(one reference each) until the next step's store event takes them, at most as many as the CPU tier has free
+blocks; every hold ends at the next `pick_stores` (its reference becomes the store event's, or is released).
 So the engine's GPU cache can keep, for one step, blocks vLLM alone would have evicted.
 Cost per step: the frontier read (`gpu_frontier`: O(lookahead + deferred spans + prompt rests; the rests
 at most the engine's step bound when known), as list building, no Python step of ours per block) plus
