@@ -177,9 +177,9 @@ def test_lazy_holds_a_finished_requests_blocks_when_the_pool_is_nearly_full():
     assert sched.get_num_new_matched_tokens(FakeRequest("B", list(range(9)), BS), 0) == (8, True)
 
 
-def test_a_held_block_the_cpu_tier_has_no_room_for_is_released_not_stored():
-    """Two held blocks, one free CPU block: the event stores the first with its hold's reference and the
-    second's hold is let go at once (free again, unsaved), so nothing stays referenced."""
+def lazy_holding_two_blocks():
+    """A lazy scheduler under pressure whose 4-block GPU pool is full when request A (2 full blocks and a
+    partial one) finishes: A's full blocks are held for the next store event."""
     sched, gpu = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, block_size=BS,
                                 store_policy="lazy", lazy_lookahead_blocks=8)
     put_under_pressure(sched)
@@ -189,6 +189,13 @@ def test_a_held_block_the_cpu_tier_has_no_room_for_is_released_not_stored():
     sched.request_finished(a)
     gpu.free([gpu.blocks[i] for i in reversed(ids)])
     assert sched.policy.num_held_blocks == 2
+    return sched, gpu, a, ids
+
+
+def test_a_held_block_the_cpu_tier_has_no_room_for_is_released_not_stored():
+    """Two held blocks, one free CPU block: the event stores the first with its hold's reference and the
+    second's hold is let go at once (free again, unsaved), so nothing stays referenced."""
+    sched, gpu, _, ids = lazy_holding_two_blocks()
     pinned = sched.cpu_pool.allocate(sched.cpu_pool.num_free_blocks - 1)  # room for one store
     meta = sched.build_connector_meta([])
     assert meta.store_gpu_blocks == [ids[0]] and sched.stats.num_store_skipped_blocks == 1
@@ -204,15 +211,7 @@ def test_a_held_block_saved_meanwhile_is_released_not_stored_again():
     """A block held at finish may reach the CPU tier another way before the next metadata (the remote tier's
     fetch completing): the store event leaves it out (reserving its key again is a caller bug), and the
     hold is still released. Found by test_remote_state_machine."""
-    sched, gpu = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=8, block_size=BS,
-                                store_policy="lazy", lazy_lookahead_blocks=8)
-    put_under_pressure(sched)
-    a = FakeRequest("A", list(range(9)), BS)
-    _, _, ids = admit(sched, gpu, a)
-    sched.build_connector_meta([step_done("A", ids, 9)])
-    sched.request_finished(a)
-    gpu.free([gpu.blocks[i] for i in reversed(ids)])
-    assert sched.policy.num_held_blocks == 2
+    sched, gpu, a, ids = lazy_holding_two_blocks()
     [cpu_block] = sched.cpu_pool.allocate(1)  # A's first block arrives on the CPU tier meanwhile
     sched.cpu_pool.cache(cpu_block, with_group_id(a.block_hashes[0]))
     sched.cpu_pool.free([cpu_block])
