@@ -159,6 +159,13 @@ class Sim:
     def busy(self) -> bool:
         return self.sched.has_requests() or bool(self._in_flight)
 
+    def load_pairs(self) -> dict[int, bytes]:
+        """GPU block id -> the cache key of the CPU block loaded into it, for the load of the latest step."""
+        meta = self.last_meta.transfer
+        pool = self.connector.offload.cpu_pool
+        return {gpu: pool.blocks[cpu].block_hash for gpu, cpu in zip(meta.load_gpu_blocks, meta.load_cpu_blocks,
+                                                                       strict=True)}
+
     def step(self) -> dict[str, int]:
         """One engine-core step (EngineCore.step / step_with_batch_queue): schedule and execute a batch if
         there is work; process the oldest batch's output once `depth` batches are in flight (or nothing

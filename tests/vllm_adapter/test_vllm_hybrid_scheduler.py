@@ -49,14 +49,6 @@ def forget(sim: Sim, block: int, group: int) -> None:
     pool.uncache(pool.cached[key(sim, "A", block, group)])
 
 
-def load_pairs(sim: Sim) -> dict[int, bytes]:
-    """GPU block id -> the cache key of the CPU block loaded into it, for the load issued this step."""
-    meta = sim.last_meta.transfer
-    pool = sim.connector.offload.cpu_pool
-    return {gpu: pool.blocks[cpu].block_hash for gpu, cpu in zip(meta.load_gpu_blocks, meta.load_cpu_blocks,
-                                                                   strict=True)}
-
-
 def test_vllm_keeps_hma_on_and_the_connector_sees_both_groups() -> None:
     sim = Sim(num_gpu_blocks=8, window=WINDOW)
     assert sim.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
@@ -85,7 +77,7 @@ def test_cpu_hit_loads_full_blocks_and_only_the_window_blocks(mode: str, evictio
     full, swa = sim.sched.kv_cache_manager.get_blocks("B").get_block_ids()
     # A 48-token prefix: the window group needs blocks (48 - 31) // 16 = 1 and 2; block 0 is the null block.
     assert swa[0] == 0 and 0 not in swa[1:3] and 0 not in full[:3]
-    pairs = load_pairs(sim)
+    pairs = sim.load_pairs()
     expected = {full[i]: key(sim, "B", i, FULL) for i in range(3)} | {swa[i]: key(sim, "B", i, SWA) for i in (1, 2)}
     assert pairs == expected
     sim.run_until_idle()
@@ -114,7 +106,7 @@ def test_a_missing_window_block_shortens_the_hit_to_what_every_group_serves(mode
     sim.add("B", prefix + tokens(4, 16))
     sim.step()
     full, swa = sim.sched.kv_cache_manager.get_blocks("B").get_block_ids()
-    assert load_pairs(sim) == {full[0]: key(sim, "B", 0, FULL), full[1]: key(sim, "B", 1, FULL),
+    assert sim.load_pairs() == {full[0]: key(sim, "B", 0, FULL), full[1]: key(sim, "B", 1, FULL),
                                swa[0]: key(sim, "B", 0, SWA), swa[1]: key(sim, "B", 1, SWA)}
     sim.run_until_idle()
     assert (offload.stats.num_hit_tokens, offload.stats.num_loaded_blocks) == (32, 4)

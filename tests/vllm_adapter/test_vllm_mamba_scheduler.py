@@ -59,10 +59,7 @@ def issued_load(sim: Sim, req_id: str) -> dict[int, bytes]:
             break
     else:
         raise AssertionError(f"no load for {req_id} within 10 steps")
-    meta = sim.last_meta.transfer
-    pool = sim.connector.offload.cpu_pool
-    return {gpu: pool.blocks[cpu].block_hash for gpu, cpu in zip(meta.load_gpu_blocks, meta.load_cpu_blocks,
-                                                                   strict=True)}
+    return sim.load_pairs()
 
 
 def test_vllm_keeps_hma_on_with_a_state_group_in_align_mode() -> None:
