@@ -47,10 +47,18 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # A load not done this many seconds after it was issued is reported failed (its request recomputes);
     # its blocks stay quarantined until the copy ends (worker.py, completions.py). None: wait forever.
     load_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] | None = 30.0
-    # CUDA only: which copies the block-copy kernel may take instead of DMA (worker_side/backends/cuda/kernel_policy.py).
-    # Defaults are vLLM's H100 measurements until our own GPU figures replace them; `calibrate` measures
-    # kernel against DMA on the device at start-up and picks the thresholds per device instead.
-    kernel_directions: tuple[str, ...] = ("load",)  # each 'load' or 'store', at most once; () = DMA only
+    # CUDA only (worker_side/backends/cuda/kernel_policy.py). The staged path: GPU memory for the staging
+    # rings of both directions (a gather/scatter in device memory, then DMA of whole host blocks); 0: off.
+    staging_bytes: int | str = 64 << 20
+    staging_max_sms: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16  # the staged kernel's grid, thread blocks
+    # The direct kernel (the SMs read and write host memory; it slows the forward): which copies it may take
+    # instead of DMA. `calibrate` times every available path on the device at start-up, at this model's job
+    # shapes, and keeps per direction what measured faster.
+    kernel_directions: tuple[str, ...] = ()  # each 'load' or 'store', at most once; () = never
+    # The KV-cache layout the vLLM adapter asks vLLM for: `auto` asks for a block-outermost layout (BLHNC, or
+    # BLNHC where the attention backend lists only that), so each block is one range across layers; `vllm`
+    # keeps vLLM's choice; BLHNC / BLNHC ask for that one. vLLM keeps its own where a backend refuses it.
+    kv_layout: Literal["auto", "vllm", "BLHNC", "BLNHC"] = "auto"
     kernel_max_segment_bytes: int | str = 28 << 10  # size; the job's segments average at most this; 0: never
     kernel_min_segments: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 16
     kernel_max_sms: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 12  # the kernel's grid: this many thread blocks
@@ -159,6 +167,12 @@ def _validate(cfg: OffloadConfig) -> OffloadConfig:
         except ConfigError as exc:
             raise ConfigError(exc.key, exc.value, exc.allowed + ", or 0 (kernel off)") from None
     t.kernel_max_segment_bytes = int(t.kernel_max_segment_bytes)
+    if t.staging_bytes not in (0, "0"):
+        try:
+            t.staging_bytes = parse_size("transfer.staging_bytes", t.staging_bytes)
+        except ConfigError as exc:
+            raise ConfigError(exc.key, exc.value, exc.allowed + ", or 0 (staged copies off)") from None
+    t.staging_bytes = int(t.staging_bytes)
     if cfg.engine.sliding_window is not None:  # the fake engine's hybrid mode (two KV-cache groups)
         if cfg.engine.num_layers < 2:
             raise ConfigError("engine.num_layers", cfg.engine.num_layers, ">= 2 with engine.sliding_window",

@@ -28,17 +28,20 @@ def sim_case(seed: int) -> dict:
                 store_policy="lazy" if seed % 2 else "eager", eviction="arc" if seed % 5 == 0 else "lru",
                 kernel_max_segment_bytes=(0, 64, 1 << 20)[seed // 3 % 3], wait_for_loads=seed % 4 == 3,
                 burst=1 + seed % 4, num_streams=1 if seed % 11 == 0 else 2,
-                ring_entries=64 if seed % 4 == 1 else 1 << 16)  # a small ring wraps: argument reuse is exercised
+                ring_entries=64 if seed % 4 == 1 else 1 << 16,  # a small ring wraps: argument reuse is exercised
+                # the staged path on a third of the seeds: 1-block slots (many chunks, slots reused within a job)
+                # or 16-block slots (8 slots in all; the fake engine's blocks are 256 bytes)
+                staging_bytes=(0, 0, 8 * 256, 0, 0, 8 * 16 * 256)[seed % 6])
 
 
 def run_on_sim(seed: int, schedule: str, num_gpu_blocks: int, num_cpu_blocks: int, store_policy: str = "eager",
                eviction: str = "lru", kernel_max_segment_bytes: int = 64, wait_for_loads: bool = False,
                burst: int = 3, num_streams: int = 2, num_requests: int = 24, abort_fraction: float = 0.15,
-               tp_size: int = 1, ring_entries: int = 1 << 16, **sim_options) -> SimRun:
+               tp_size: int = 1, ring_entries: int = 1 << 16, staging_bytes: int = 0, **sim_options) -> SimRun:
     """One seeded random workload through the fake engine, one simulated GPU per tensor-parallel rank."""
     rt = SimCudaRuntime(num_devices=tp_size, schedule=schedule, seed=seed, burst=burst, **sim_options)
     backends = [CudaBackend(num_streams=num_streams, runtime=rt, kernel_max_segment_bytes=kernel_max_segment_bytes,
-                            ring_entries=ring_entries) for _ in range(tp_size)]
+                            ring_entries=ring_entries, staging_bytes=staging_bytes) for _ in range(tp_size)]
     computes = [SimCompute(rt, device) for device in range(tp_size)]
     cfg = small_config(num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks, store_policy=store_policy,
                        eviction=eviction)
@@ -118,3 +121,21 @@ def make_kv(rt: SimCudaRuntime, layout: str, device: int = 0, num_layers: int = 
             physical = rt.alloc_device(tuple(shape[d] for d in order), torch.float16, device)
             kv[f"l{i}"] = random_fill(physical, i).permute(*[order.index(d) for d in range(4)])
     return kv
+
+
+# vLLM's KVCacheLayout stride orders over the logical [L, B, H, N, C] (vllm/v1/kv_cache_layout.py)
+VLLM_STRIDE_ORDERS = {"LBHNC": (0, 1, 2, 3, 4), "LBNHC": (0, 1, 3, 2, 4), "LHBNC": (0, 2, 1, 3, 4),
+                      "BLHNC": (1, 0, 2, 3, 4), "BLNHC": (1, 0, 3, 2, 4), "BHLNC": (1, 2, 0, 3, 4)}
+
+
+def vllm_allocation(rt: SimCudaRuntime, layout: str, num_layers: int = 4, num_blocks: int = 12, heads: int = 2,
+                    tokens: int = 4, content: int = 16, dtype: torch.dtype = torch.float16,
+                    device: int = 0) -> dict[str, torch.Tensor]:
+    """Per-layer [B, H, N, C] views of ONE allocation in `layout`'s physical order, as vLLM 0.32 builds them
+    (`get_kv_cache_config_from_groups`: a block-outermost layout puts every layer of a block in one range).
+    MLA: heads=1, content = the latent's width."""
+    order = VLLM_STRIDE_ORDERS[layout]
+    logical = (num_layers, num_blocks, heads, tokens, content)
+    physical = random_fill(rt.alloc_device(tuple(logical[d] for d in order), dtype, device), 99)
+    view = physical.permute(*[order.index(d) for d in range(5)])  # logical [L, B, H, N, C]
+    return {f"layers.{i}.attn": view[i] for i in range(num_layers)}

@@ -1,7 +1,8 @@
 """Turn a job's block-id pairs into byte segments: the logic every backend shares.
 
 `CopyGeometry` is built once per direction when the backend binds: for every *plane* (one chunk of one
-tensor, see block_layout and host_pool) the source and destination base pointers and block strides, so a
+tensor, see block_layout and host_pool; chunks back to back on both sides merged into one plane,
+`merge_adjacent_planes`) the source and destination base pointers and block strides, so a
 job's segments come from a handful of numpy operations over all planes at once, never a Python loop over
 tensors or blocks. `coalesce_runs` merges pairs whose source and destination ids both advance by one into
 runs (cut where the host pool's registrations are cut); a plane whose consecutive blocks sit back to back on
@@ -79,30 +80,46 @@ class CopyGeometry:
     @staticmethod
     def build(src_views: Sequence[TensorBlockView], dst_views: Sequence[TensorBlockView],
               cut_every: int | None = None, cut_src: bool = False) -> CopyGeometry:
-        cols: dict[bool, list[tuple[int, int, int, int, int]]] = {True: [], False: []}
+        rows: list[tuple[int, int, int, int, int]] = []
         for sv, dv in zip(src_views, dst_views, strict=True):
             if sv.num_chunks != dv.num_chunks or sv.chunk_bytes != dv.chunk_bytes:
                 raise WorkerInvariantError(
                     f"tensor {sv.name!r}: source and destination block geometry differ ({sv.num_chunks} x "
                     f"{sv.chunk_bytes} vs {dv.num_chunks} x {dv.chunk_bytes} bytes); our bug")
-            runs = sv.block_stride == sv.chunk_bytes and dv.block_stride == dv.chunk_bytes
             for s_off, d_off in zip(sv.chunk_offsets.tolist(), dv.chunk_offsets.tolist(), strict=True):
-                cols[runs].append((sv.base_ptr + s_off, dv.base_ptr + d_off, sv.block_stride, dv.block_stride,
-                                   sv.chunk_bytes))
+                rows.append((sv.base_ptr + s_off, dv.base_ptr + d_off, sv.block_stride, dv.block_stride,
+                             sv.chunk_bytes))
+        cols: dict[bool, list[tuple[int, int, int, int, int]]] = {True: [], False: []}
+        for row in merge_adjacent_planes(rows):
+            cols[row[2] == row[4] and row[3] == row[4]].append(row)
         groups = []
-        for runs, rows in cols.items():
-            if rows:
-                a = np.array(rows, np.int64).T[:, :, None]  # 5 x P x 1
+        for runs, group_rows in cols.items():
+            if group_rows:
+                a = np.array(group_rows, np.int64).T[:, :, None]  # 5 x P x 1
                 groups.append(_PlaneGroup(runs, a[0], a[1], a[2], a[3], a[4]))
         return CopyGeometry(tuple(groups), cut_every, cut_src, num_planes=sum(len(g.src_base) for g in groups),
                             bytes_per_block=int(sum(g.chunk_bytes.sum() for g in groups)))
 
-    def plane_table(self) -> np.ndarray:
+    def plane_table(self, max_piece: int | None = None) -> np.ndarray:
         """(num_planes, 5) int64 rows `(src_base, dst_base, src_stride, dst_stride, chunk_bytes)`: what the
-        block-copy kernel needs to find chunk `p` of block pair `(s, d)` itself, from block ids alone."""
+        block-copy kernels need to find chunk `p` of block pair `(s, d)` themselves, from block ids alone.
+        With `max_piece` (a multiple of 16), a plane larger than that becomes several rows of at most
+        `max_piece` bytes each, so the work a kernel hands one warp stays bounded."""
         cols = [np.concatenate([getattr(g, f)[:, 0] for g in self.groups])
                 for f in ("src_base", "dst_base", "src_stride", "dst_stride", "chunk_bytes")]
-        return np.ascontiguousarray(np.stack(cols, axis=1), dtype=np.int64)
+        table = np.ascontiguousarray(np.stack(cols, axis=1), dtype=np.int64)
+        if max_piece is None or not len(table) or table[:, 4].max() <= max_piece:
+            return table
+        if max_piece <= 0 or max_piece % 16:
+            raise WorkerInvariantError(f"plane_table: max_piece={max_piece} must be a positive multiple of 16 (our bug)")
+        pieces = -(-table[:, 4] // max_piece)
+        rows = np.repeat(table, pieces, axis=0)
+        within = np.arange(len(rows)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        offset = within * max_piece
+        rows[:, 0] += offset
+        rows[:, 1] += offset
+        rows[:, 4] = np.minimum(rows[:, 4] - offset, max_piece)
+        return np.ascontiguousarray(rows)
 
     def runs(self, src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The job's runs (see coalesce_runs), cut where the host pool's registrations are cut."""
@@ -131,6 +148,22 @@ class CopyGeometry:
         if len(sizes) == 1:
             return Segments(dsts[0], srcs[0], sizes[0])
         return Segments(np.concatenate(dsts), np.concatenate(srcs), np.concatenate(sizes))
+
+
+def merge_adjacent_planes(rows: Sequence[tuple[int, int, int, int, int]]) -> list[tuple[int, int, int, int, int]]:
+    """Planes `(src_base, dst_base, src_stride, dst_stride, chunk_bytes)` with the chunks that sit back to
+    back on both sides (same strides, the second starting where the first ends, on both sides) merged into
+    one: every layer of a block-outermost engine block (vLLM's BLHNC) into a `blocks` host pool is one
+    plane, so a block (and a run of them) is one segment. Valid for every block because the strides agree."""
+    merged: list[list[int]] = []
+    for row in sorted(rows, key=lambda r: (r[2], r[3], r[0])):
+        last = merged[-1] if merged else None
+        if (last is not None and last[2] == row[2] and last[3] == row[3]
+                and last[0] + last[4] == row[0] and last[1] + last[4] == row[1]):
+            last[4] += row[4]
+        else:
+            merged.append(list(row))
+    return [(a, b, c, d, e) for a, b, c, d, e in merged]
 
 
 def split_segments(segments: Segments, num_shards: int, min_piece: int = 256 * 1024) -> list[Segments]:

@@ -113,7 +113,7 @@ class OffloadWorker:
                                           shared.num_ranks if shared is not None else 1)
         node = self.backend.numa_node(views)
         pool = HostPool(views, num_blocks, shared.allocate if shared is not None else
-                        lambda nbytes: allocate_host_buffer(nbytes, node))
+                        lambda nbytes: allocate_host_buffer(nbytes, node), layout=self.backend.host_layout(views))
         self.backend.bind(views, pool)  # pins the pool where the backend needs it, before any graph capture
         self._pool = pool
         self._views, self._num_gpu_blocks = views, counts.pop()

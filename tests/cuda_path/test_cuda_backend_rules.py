@@ -132,8 +132,8 @@ def test_kernel_off_is_said_once_at_startup(caplog: pytest.LogCaptureFixture) ->
     with caplog.at_level("INFO", logger="worker_side.backends.cuda.backend"):
         w = sim_worker(rt, make_kv(rt, "kv_first"), 12, **KERNEL_ALWAYS)
     lines = [r.getMessage() for r in caplog.records if "kernel off" in r.getMessage()]
-    assert lines == ["offload: block-copy kernel off on device 0: switched off on the simulated device "
-                     "(supports_kernel=False); copies use the copy engines (DMA)"]
+    assert lines == ["offload: direct block-copy kernel off on device 0: switched off on the simulated device "
+                     "(supports_kernel=False)"]
     assert w.backend.kernel_off_reason is not None and w.backend.policy.rules == {}
     w.shutdown()
 
@@ -261,7 +261,7 @@ def test_backend_logs_the_policy_it_uses(caplog: pytest.LogCaptureFixture) -> No
     with caplog.at_level(logging.INFO, logger="worker_side.backends.cuda.backend"):
         w = sim_worker(rt, make_kv(rt, "kv_first"), 12, kernel_directions=("load",), kernel_min_segments=16,
                        kernel_max_segment_bytes=28 << 10)
-    assert any(r.getMessage() == "offload: copy policy on device 0: load: kernel for segments averaging <= 28 KiB, "
+    assert any(r.getMessage() == "offload: copy paths on device 0: load: kernel for segments averaging <= 28 KiB, "
                ">= 16 of them (else DMA); store: DMA" for r in caplog.records)
     w.shutdown()
 

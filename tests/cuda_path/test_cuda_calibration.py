@@ -24,6 +24,15 @@ from worker_side.testing.cuda_sim import SimCudaRuntime, SimTiming
 
 pytestmark = pytest.mark.cudasim
 
+
+@pytest.fixture(autouse=True)
+def one_dma_call_per_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check the kernel-or-DMA rule against the simulator's cost model with DMA as one batched
+    call per job; the product splits long jobs over several calls and two streams (copy_paths.dma), which
+    makes the DMA side of the comparison depend on the segment count in steps."""
+    monkeypatch.setattr("worker_side.backends.cuda.copy_paths.FIRST_BATCH", 1 << 30)
+    monkeypatch.setattr("worker_side.backends.cuda.copy_paths.BATCH_SEGMENTS", 1 << 30)
+
 CHUNK = 4096  # bytes per block per layer: runs of 1..32 blocks are segments of 4..128 KiB
 
 
@@ -152,11 +161,16 @@ def test_sim_timing_events_measure_the_cost_model() -> None:
 
 
 # ---- the configuration's keys ---------------------------------------------------------------------------
-def test_config_defaults_are_vllms_measured_ones() -> None:
+def test_config_defaults_stage_both_ways_and_keep_the_direct_kernel_off() -> None:
+    """The direct kernel slows the forward (SMs reading host memory for the whole copy): opt-in only. Its
+    bounds, when turned on, are vLLM's H100 figures."""
     t = load_config(None).transfer
     assert (t.kernel_directions, t.kernel_max_segment_bytes, t.kernel_min_segments, t.kernel_max_sms,
-            t.calibrate) == (("load",), 28 << 10, 16, 12, True)
-    policy = KernelPolicy.make(t.kernel_directions, t.kernel_max_segment_bytes, t.kernel_min_segments)
+            t.calibrate, t.staging_bytes, t.staging_max_sms) == ((), 28 << 10, 16, 12, True, 64 << 20, 16)
+    policy = KernelPolicy.make(t.kernel_directions, t.kernel_max_segment_bytes, t.kernel_min_segments,
+                               ("load", "store"))
+    assert policy.rules == {} and policy.use_staged("load", 1) and policy.use_staged("store", 1)
+    policy = KernelPolicy.make(["load"], t.kernel_max_segment_bytes, t.kernel_min_segments)
     assert policy.use_kernel("load", 16, 16 * (28 << 10)) and not policy.use_kernel("load", 15, 15 * 1024)
     assert not policy.use_kernel("load", 64, 64 * (28 << 10) + 1) and not policy.use_kernel("store", 1024, 1024)
 

@@ -60,14 +60,16 @@ def assert_clean(run, seed: int) -> None:
 
 @pytest.mark.parametrize("chunk", range(8))
 def test_replays_under_adversarial_schedules(chunk: int) -> None:
-    """240 seeds: every schedule, eager/lazy, LRU/ARC, kernel or DMA, one or two streams, polling or waiting."""
-    totals = {"cpu_hit_tokens": 0, "kernel": 0, "batch": 0}
+    """240 seeds: every schedule, eager/lazy, LRU/ARC, staged, kernel or DMA, one or two streams, polling or
+    waiting."""
+    totals = {"cpu_hit_tokens": 0, "kernel": 0, "batch": 0, "staged": 0}
     for seed in range(chunk * 30, chunk * 30 + 30):
         run = run_on_sim(seed, **sim_case(seed))
         assert_clean(run, seed)
         totals["cpu_hit_tokens"] += run.engine.stats.cpu_hit_tokens
         totals["kernel"] += run.rt.calls["launch_block_copy"]
         totals["batch"] += run.rt.calls["memcpy_batch"]
+        totals["staged"] += run.rt.calls["launch_staged_copy"]
     assert all(v > 0 for v in totals.values()), totals
 
 

@@ -1,9 +1,10 @@
 """The CUDA backend on a real GPU (`pytest -m gpu`; skipped without one), and its refusal without one.
 
 On a GPU: bit-exact round trips for every dtype and the layouts vLLM hands us on each copy path (the
-block-copy kernel, one batched DMA call, one DMA call per segment, and a pool that could not be pinned),
+staged path, the direct block-copy kernel, one batched DMA call, one DMA call per segment, and a pool that
+could not be pinned),
 each asserting which path its jobs took, so a missing cupy or NVRTC fails the kernel case instead of
-testing DMA twice; and race tests on the kernel path and on the batched DMA path that queue a long kernel
+testing DMA twice; and race tests on the staged, kernel and batched DMA paths that queue a long kernel
 (`torch.cuda._sleep`) on the compute stream ahead of each fence, so a missing fence shows up as wrong
 bytes, not as a timing. The same fences are proven without a GPU in test_cudasim.py. scripts/gpu_check.sh
 runs this file (and its kernel cases under compute-sanitizer).
@@ -23,10 +24,12 @@ SLEEP_CYCLES = 2_000_000_000  # about a second on a 2 GHz GPU: far longer than a
 
 # Each path forced through the configuration (no calibration: it would pick per device).
 PATHS = {
-    "kernel": {"kernel_directions": ["load", "store"], "kernel_max_segment_bytes": "1GiB", "kernel_min_segments": 1},
-    "batch": {"kernel_directions": []},
-    "per_segment": {"kernel_directions": []},
-    "pageable": {"kernel_directions": []},
+    "staged": {"kernel_directions": [], "staging_bytes": "4MiB"},  # 512 KiB slots: jobs below take several chunks
+    "kernel": {"kernel_directions": ["load", "store"], "kernel_max_segment_bytes": "1GiB", "kernel_min_segments": 1,
+               "staging_bytes": 0},
+    "batch": {"kernel_directions": [], "staging_bytes": 0},
+    "per_segment": {"kernel_directions": [], "staging_bytes": 0},
+    "pageable": {"kernel_directions": [], "staging_bytes": 0},
 }
 
 
@@ -61,6 +64,8 @@ def cuda_worker(kv: dict[str, torch.Tensor], path: str, monkeypatch: pytest.Monk
     assert b.pinned == (path != "pageable"), "pinning the host pool failed: check `ulimit -l` and free RAM"
     if path == "kernel":
         assert b.kernel_off_reason is None, f"the block-copy kernel is off here: {b.kernel_off_reason}"
+    if path == "staged":
+        assert b.staged_off_reason is None, f"the staged path is off here: {b.staged_off_reason}"
     if path == "batch":
         assert b.rt.supports_batch, "cuMemcpyBatchAsync did not resolve (driver before CUDA 12.8?)"
     if path == "per_segment":
@@ -94,17 +99,27 @@ def block_bytes(w: OffloadWorker, gpu_block: int) -> torch.Tensor:
     return torch.cat([v.block_tensor(gpu_block) for v in w._views])
 
 
+def layout_kv(layout: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Four layers of 32 blocks: separate per-layer tensors (block_first, kv_first), or per-layer views of
+    one block-outermost allocation (BLHNC: [blocks, layers, heads, tokens, 2 * head], each block one range)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    if layout == "BLHNC":
+        raw = torch.randint(0, 256, (32 * 4 * 8 * 16 * 128 * itemsize,), dtype=torch.uint8, device="cuda")
+        whole = raw.view(dtype).view(32, 4, 8, 16, 128)
+        return {f"l{i}": whole[:, i] for i in range(4)}
+    shape = (32, 2, 16, 8, 64) if layout == "block_first" else (2, 32, 16, 8, 64)
+    raw = torch.randint(0, 256, (4, torch.Size(shape).numel() * itemsize), dtype=torch.uint8, device="cuda")
+    return {f"l{i}": raw[i].view(dtype).view(shape) for i in range(4)}
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn])
-@pytest.mark.parametrize("layout", ["block_first", "kv_first"])
-@pytest.mark.parametrize("path", ["kernel", "batch", "per_segment", "pageable"])
+@pytest.mark.parametrize("layout", ["block_first", "kv_first", "BLHNC"])
+@pytest.mark.parametrize("path", ["staged", "kernel", "batch", "per_segment", "pageable"])
 def test_round_trip_bit_exact(dtype, layout, path, monkeypatch):
-    shape = (32, 2, 16, 8, 64) if layout == "block_first" else (2, 32, 16, 8, 64)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (4, torch.Size(shape).numel() * itemsize), dtype=torch.uint8, device="cuda")
-    kv = {f"l{i}": raw[i].view(dtype).view(shape) for i in range(4)}
-    w = cuda_worker(kv, path, monkeypatch, num_gpu_blocks=32)
+    kv = layout_kv(layout, dtype)
+    w = cuda_worker(kv, path, monkeypatch, num_gpu_blocks=32, layout=layout if layout == "BLHNC" else None)
     gpu, cpu, targets = [3, 4, 5, 17, 9], [1, 2, 3, 11, 7], [20, 21, 22, 30, 2]
     before = [block_bytes(w, b) for b in gpu]
     store(w, 1, gpu, cpu)
@@ -125,7 +140,7 @@ def test_round_trip_bit_exact(dtype, layout, path, monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("path", ["kernel", "batch"])
+@pytest.mark.parametrize("path", ["staged", "kernel", "batch"])
 def test_store_waits_for_the_compute_that_wrote_its_blocks(path):
     kv, w = one_layer_worker(path)
     torch.cuda._sleep(SLEEP_CYCLES)  # the "forward", still running when the store is issued
@@ -139,7 +154,7 @@ def test_store_waits_for_the_compute_that_wrote_its_blocks(path):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("path", ["kernel", "batch"])
+@pytest.mark.parametrize("path", ["staged", "kernel", "batch"])
 def test_load_waits_for_earlier_readers_but_overlaps_this_steps_forward(path):
     kv, w = one_layer_worker(path)
     kv[3:6] = 5
@@ -179,9 +194,16 @@ def test_calibration_runs_and_leaves_the_kv_cache_as_it_was(caplog):
     assert torch.equal(raw, before), "the calibration changed the KV cache"
     b = w.backend
     assert b.kernel_off_reason is None, f"the block-copy kernel is off here: {b.kernel_off_reason}"
-    assert b.calibration and all(m.kernel_s > 0 and m.dma_s > 0 for m in b.calibration)
+    assert b.staged_off_reason is None, f"the staged path is off here: {b.staged_off_reason}"
+    kernel = [m for m in b.calibration if hasattr(m, "kernel_wins")]
+    staged = [m for m in b.calibration if hasattr(m, "staged_wins")]
+    assert kernel and all(m.kernel_s > 0 and m.dma_s > 0 for m in kernel)
+    assert staged and all(m.staged_s > 0 and m.direct_s > 0 for m in staged)
     assert any("calibrated on device" in r.getMessage() for r in caplog.records)
-    for m in b.calibration:  # sound: the policy sends no measured shape to the kernel where DMA was faster
+    for m in kernel:  # sound: the policy sends no measured shape to the kernel where DMA was faster
         if b.policy.use_kernel(m.kind, m.num_segments, m.avg_segment_bytes * m.num_segments):
             assert m.kernel_wins, m
+    for m in staged:  # and stages no measured job that was faster unstaged
+        if b.policy.use_staged(m.kind, m.num_blocks):
+            assert m.staged_wins, m
     w.shutdown()

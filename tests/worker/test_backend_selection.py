@@ -39,13 +39,16 @@ def test_backend_names_and_construction_with_cuda(monkeypatch):
     for requested in ("auto", "cuda"):
         backend = backend_select.make_backend(load_config({"transfer": {"backend": requested, "num_streams": 3}}))
         assert isinstance(backend, RecordingCudaBackend) and backend.num_streams == 3
-        assert backend.options == {"kernel_directions": ("load",), "kernel_max_segment_bytes": 28 << 10,
-                                   "kernel_min_segments": 16, "kernel_max_sms": 12, "calibrate": True}
+        assert backend.options == {"kernel_directions": (), "kernel_max_segment_bytes": 28 << 10,
+                                   "kernel_min_segments": 16, "kernel_max_sms": 12, "calibrate": True,
+                                   "staging_bytes": 64 << 20, "staged_max_ctas": 16}
     transfer = {"backend": "cuda", "kernel_directions": ["store", "load"], "kernel_max_segment_bytes": "1MiB",
-                "kernel_min_segments": 2, "kernel_max_sms": 4, "calibrate": False}
+                "kernel_min_segments": 2, "kernel_max_sms": 4, "calibrate": False, "staging_bytes": "16MiB",
+                "staging_max_sms": 3}
     backend = backend_select.make_backend(load_config({"transfer": transfer}))
     assert backend.options == {"kernel_directions": ("store", "load"), "kernel_max_segment_bytes": 1 << 20,
-                               "kernel_min_segments": 2, "kernel_max_sms": 4, "calibrate": False}
+                               "kernel_min_segments": 2, "kernel_max_sms": 4, "calibrate": False,
+                               "staging_bytes": 16 << 20, "staged_max_ctas": 3}
     backend = backend_select.make_backend(load_config({"transfer": {"backend": "cpu", "num_streams": 3}}))
     assert isinstance(backend, CpuBackend) and backend.num_threads == 3
     backend.shutdown()

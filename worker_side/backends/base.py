@@ -2,7 +2,8 @@
 
 A job copies `src_ids[i]` to `dst_ids[i]` for every registered tensor; `kind` says the direction (store:
 engine KV cache -> host pool; load: host pool -> engine KV cache). Contract for implementations:
-- `numa_node(device_views)` may name the host NUMA node the pool should live on (None: anywhere); then the
+- `numa_node(device_views)` may name the host NUMA node the pool should live on (None: anywhere) and
+  `host_layout(device_views)` the pool's physical layout (host_pool.py: `planes` or `blocks`); then the
   worker allocates the `HostPool` and calls `bind()` once, before any `submit()`. `bind` pins the pool
   where the backend needs it, synchronously (vLLM captures CUDA graphs right after registration).
 - `submit()` never blocks on the copy; each submitted job produces exactly one `JobResult`, returned by
@@ -30,7 +31,7 @@ from typing import Literal
 import numpy as np
 
 from worker_side.block_layout import TensorBlockView
-from worker_side.host_pool import HostPool
+from worker_side.host_pool import PLANES, HostPool
 
 JobKind = Literal["load", "store"]
 
@@ -71,6 +72,10 @@ class TransferBackend(abc.ABC):
     def numa_node(self, device_views: list[TensorBlockView]) -> int | None:
         """The host NUMA node the pool should prefer (the GPU's), or None."""
         return None
+
+    def host_layout(self, device_views: list[TensorBlockView]) -> str:
+        """The host pool's physical layout this backend copies best (host_pool.HOST_LAYOUTS)."""
+        return PLANES
 
     @abc.abstractmethod
     def bind(self, device_views: list[TensorBlockView], pool: HostPool) -> None:

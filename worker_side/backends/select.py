@@ -29,5 +29,6 @@ def make_backend(config: OffloadConfig) -> TransferBackend:
         return CudaBackend(num_streams=t.num_streams, kernel_directions=t.kernel_directions,
                            kernel_max_segment_bytes=int(t.kernel_max_segment_bytes),
                            kernel_min_segments=t.kernel_min_segments, kernel_max_sms=t.kernel_max_sms,
-                           calibrate=t.calibrate)
+                           calibrate=t.calibrate, staging_bytes=int(t.staging_bytes),
+                           staged_max_ctas=t.staging_max_sms)
     return CpuBackend(num_threads=config.transfer.num_streams)

@@ -61,7 +61,7 @@ class SimCudaRuntime:
                  max_register_bytes: int | None = None, numa_nodes: dict[int, int] | None = None,
                  copy_bytes: bool = True, num_sms: int = 132, kernel_max_sms: int = 12,
                  host_pointer_for_registered_mem: bool = True, fail_kernel_launches: int = 0,
-                 timing: SimTiming | None = None) -> None:
+                 timing: SimTiming | None = None, device_memory_limit: int | None = None) -> None:
         self._queues = StreamScheduler(schedule, seed, burst)
         self.num_devices, self.schedule = num_devices, schedule
         self.supports_batch, self.supports_kernel = supports_batch, supports_kernel
@@ -71,6 +71,7 @@ class SimCudaRuntime:
         self.host_pointer_for_registered_mem = host_pointer_for_registered_mem
         self.fail_kernel_launches = fail_kernel_launches  # the next N launches fail, enqueuing nothing
         self.timing = timing if timing is not None else SimTiming()
+        self.device_memory_limit = device_memory_limit  # bytes per device; None: unlimited
         self.kernel_grids: list[int] = []  # thread blocks of each launch
         self.host_blocked: list[tuple[int, str]] = []  # (thread id, call) of calls that waited for the device
         # False (submission benchmarks): calls are still checked, but queued work moves no bytes and the kernel
@@ -155,7 +156,7 @@ class SimCudaRuntime:
         with self._lock:
             return self._compute[self._enter("compute_stream")]
 
-    def create_stream(self, low_priority: bool) -> SimStream:
+    def create_stream(self, low_priority: bool, high_priority: bool = False) -> SimStream:
         with self._lock:
             device = self._enter("create_stream")
             s = SimStream(device, f"copy{device}.{len(self.streams)}{'-low' if low_priority else ''}", False)
@@ -242,8 +243,11 @@ class SimCudaRuntime:
             fault = self.memory.copy_fault(op, device, segs, pageable)
             if fault is not None:
                 raise CudaError(self._fault(fault))
-            seconds = self.timing.dma_seconds(len(segs), segs.total_bytes)
-            self._queues.push(stream, SimWork("copy", run=lambda: self._move(segs), seconds=seconds))
+            to_host = bool(self.memory.device_ok(segs.src[:1], segs.nbytes[:1], device).any())
+            self._queues.push(stream, SimWork("copy", run=lambda: self._move(segs),
+                                              seconds=self.timing.dma_fixed_seconds(len(segs)),
+                                              link=(device, "d2h" if to_host else "h2d"),
+                                              link_seconds=segs.total_bytes / self.timing.dma_bytes_per_s))
             if pageable and not self.memory.device_ok(segs.dst, segs.nbytes, device).any():
                 # device -> pageable host: the call returns only once the copy ran, after all before it
                 position = stream.enqueued
@@ -299,6 +303,57 @@ class SimCudaRuntime:
 
             self._queues.push(stream, SimWork("kernel", run=run, seconds=seconds))
         self.self_time += time.perf_counter() - t0
+
+    def launch_staged_copy(self, planes_ptr: int, num_planes: int, src_ids_ptr: int, dst_ids_ptr: int,
+                           num_blocks: int, stream: SimStream, max_blocks: int) -> None:
+        t0 = time.perf_counter()
+        with self._lock:
+            device = self._enter("launch_staged_copy")
+            self._same_device("launch_staged_copy", device, stream)
+            if not self.supports_kernel:
+                raise CudaError("staged-copy kernel: not available (simulated)")
+            if self.fail_kernel_launches > 0:
+                self.fail_kernel_launches -= 1
+                raise CudaError("cuLaunchKernel: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (simulated failure)")
+            if not 0 < num_blocks <= 1024:
+                raise CudaError(self._fault(f"launch_staged_copy: {num_blocks} blocks; the kernel takes 1..1024"))
+            if not self.memory.device_ok(np.array([planes_ptr], np.int64), np.array([num_planes * 40], np.int64),
+                                         device)[0]:
+                raise CudaError(self._fault(f"launch_staged_copy: plane table at {planes_ptr:#x} is not device "
+                                            f"memory of device {device}"))
+            for ptr in (src_ids_ptr, dst_ids_ptr):
+                self._registered_table("launch_staged_copy", device, ptr, num_blocks * 8)
+            self.kernel_grids.append(min(-(-num_planes * num_blocks // 8), max(1, min(max_blocks, self.sms))))
+            planes_now = read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)
+            seconds = self.timing.device_copy_seconds(int(planes_now[:, 4].sum()) * num_blocks)
+
+            def run() -> None:  # reads its plane table and block ids now, when it runs
+                if not self.copy_bytes:
+                    return
+                planes = read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)[:, :, None]
+                src_ids, dst_ids = read_int64(src_ids_ptr, num_blocks), read_int64(dst_ids_ptr, num_blocks)
+                segs = Segments((planes[:, 1] + dst_ids * planes[:, 3]).ravel(),
+                                (planes[:, 0] + src_ids * planes[:, 2]).ravel(),
+                                np.broadcast_to(planes[:, 4], (num_planes, num_blocks)).ravel().copy())
+                fault = self.memory.device_copy_fault("staged-copy kernel", device, segs)
+                if fault is None:
+                    run_segments(segs)
+                else:
+                    self._fault(fault)
+
+            self._queues.push(stream, SimWork("kernel", run=run, seconds=seconds))
+        self.self_time += time.perf_counter() - t0
+
+    def alloc_device_bytes(self, nbytes: int) -> torch.Tensor:
+        """The seam's `alloc_device_bytes`: `nbytes` of the current device's memory (`device_memory_limit` caps the
+        total, as a full GPU would)."""
+        with self._lock:
+            device = self._enter("alloc_device")
+            used = sum(end - start for start, end, dev, _ in self.memory.device_memory if dev == device)
+            if self.device_memory_limit is not None and used + nbytes > self.device_memory_limit:
+                raise CudaError(f"cudaMalloc({nbytes}): cudaErrorMemoryAllocation (simulated: {used} of "
+                                f"{self.device_memory_limit} bytes in use)")
+            return self.memory.alloc((nbytes,), torch.uint8, device)
 
     def launch_host_work(self, stream: SimStream, fn: Callable[[], None]) -> None:
         """Enqueue `fn` as a kernel on `stream` (the fake model's forward: reads and writes of KV blocks)."""

@@ -73,6 +73,17 @@ class SimMemory:
         """Whether a kernel's argument table at [ptr, ptr + nbytes) lies in host memory registered on `device`."""
         return bool(self.host_ok(np.array([ptr], np.int64), np.array([nbytes], np.int64), device)[0])
 
+    def device_copy_fault(self, op: str, device: int, segs: Segments) -> str | None:
+        """The fault message if any segment is not device memory <-> device memory of `device`, else None."""
+        ok = self.device_ok(segs.dst, segs.nbytes, device) & self.device_ok(segs.src, segs.nbytes, device)
+        bad = np.flatnonzero(~ok)
+        if not len(bad):
+            return None
+        i = int(bad[0])
+        return (f"{op} on device {device}: {len(bad)} of {len(segs)} segments are not within device memory of "
+                f"device {device} on both sides (first: dst {int(segs.dst[i]):#x}, src {int(segs.src[i]):#x}, "
+                f"{int(segs.nbytes[i])} bytes)")
+
     def copy_fault(self, op: str, device: int, segs: Segments, pageable: bool = False) -> str | None:
         """The fault message if any segment is not device <-> registered host memory of `device`, else None."""
         d_dev, s_dev = self.device_ok(segs.dst, segs.nbytes, device), self.device_ok(segs.src, segs.nbytes, device)

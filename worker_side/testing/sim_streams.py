@@ -10,7 +10,8 @@ whose event is done counts as progress, so a queue of satisfied waits is drained
 Exceptions raised by work (the fake model's IntegrityError) are kept in `errors`, never raised here.
 
 Simulated time: every stream has a `clock` (seconds) that each item it runs advances by the item's
-`seconds` (the cost model of cuda_sim's `SimTiming`); a consumed wait moves the waiting stream's clock up to
+`seconds` (the cost model of cuda_sim's `SimTiming`); a copy's bytes also hold its device's link in its
+direction (`links`), so copies on several streams overlap their fixed costs but share the bandwidth; a consumed wait moves the waiting stream's clock up to
 the clock of the stream it waited on (an upper bound of when the awaited work ended: enough for timing
 work on one stream, which is what the calibration does). A timing event records the clock at which its
 stream reached the recorded item.
@@ -70,7 +71,9 @@ class SimWork:
     kind: str  # "wait" | "copy" | "kernel" | "compute"
     run: Callable[[], None] | None = None
     wait: tuple[SimStream, int] | None = None
-    seconds: float = 0.0  # simulated duration (cuda_sim's SimTiming)
+    seconds: float = 0.0  # simulated duration (cuda_sim's SimTiming); for a copy, its fixed costs
+    link: tuple[int, str] | None = None  # a copy's (device, direction): its bytes share that PCIe link
+    link_seconds: float = 0.0  # the time its bytes take on the link
 
 
 def _complete(s: SimStream, seconds: float) -> None:
@@ -89,6 +92,7 @@ class StreamScheduler:
         self._rng = random.Random(seed)
         self.streams: list[SimStream] = []
         self.errors: list[BaseException] = []  # raised by work (e.g. the fake model's IntegrityError)
+        self.links: dict[tuple[int, str], float] = {}  # (device, direction) -> when its PCIe link is free
 
     def push(self, stream: SimStream, work: SimWork) -> None:
         stream.queue.append(work)
@@ -137,7 +141,12 @@ class StreamScheduler:
                 work.run()
         except Exception as exc:  # work of the fake model: surfaced to the engine by SimCompute
             self.errors.append(exc)
-        _complete(s, work.seconds)
+        if work.link is None:
+            _complete(s, work.seconds)
+        else:  # the fixed costs on its own engine, then the bytes after whatever holds the link
+            end = max(s.clock + work.seconds, self.links.get(work.link, 0.0)) + work.link_seconds
+            self.links[work.link] = end
+            _complete(s, end - s.clock)
         self.consume_waits()  # consume waits that just became satisfied
         return True
 

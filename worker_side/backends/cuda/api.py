@@ -25,6 +25,12 @@ Semantics every implementation follows (CUDA's own):
   then `dst_ids`, `num_blocks` each) live in registered host memory and are read when the kernel runs. Its
   grid is capped by the runtime (a few SMs' worth of thread blocks, `kernel_max_sms`), so a copy that
   overlaps the forward never competes with it for every SM. A launch that raises enqueued nothing.
+- `launch_staged_copy` launches the staged path's kernel (segment_copy.cu `oc_staged_copy`): the same table
+  semantics, but every copy is device memory to device memory of one device (the KV cache and a staging
+  slot), the plane table lives in device memory and the block ids (`src_ids`, `dst_ids`, `num_blocks` each)
+  in registered host memory, read when it runs; at most `max_blocks` thread blocks and `num_blocks` <= 1024.
+- `alloc_device_bytes(nbytes)` returns a uint8 tensor of the current device's memory, holding it while referenced;
+  CudaError when there is no room.
 - `device_of` is a driver call: it runs in the current device's context (creating it if none is current),
   so callers make the right device current first; `tensor_device` reads the framework's metadata only.
 - `can_use_host_pointer(d)` is CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM: where it is 0 a
@@ -79,7 +85,8 @@ class CudaRuntime(Protocol):
     # ---- streams and events (current device) -----------------------------------------------------------
     def compute_stream(self) -> Stream:
         """The engine's current stream on the current device (where the forward runs)."""
-    def create_stream(self, low_priority: bool) -> Stream: ...
+    def create_stream(self, low_priority: bool, high_priority: bool = False) -> Stream:
+        """A new stream; `high_priority`: its kernels are scheduled before queued work of other streams."""
     def create_event(self, timing: bool = False) -> Event: ...
     def elapsed_s(self, start: Event, end: Event) -> float:
         """Seconds between two completed timing events (`create_event(timing=True)`)."""
@@ -98,3 +105,8 @@ class CudaRuntime(Protocol):
     def memcpy_batch(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, stream: Stream) -> None: ...
     def launch_block_copy(self, planes_ptr: int, num_planes: int, ids_ptr: int, num_blocks: int,
                           stream: Stream) -> None: ...
+    def launch_staged_copy(self, planes_ptr: int, num_planes: int, src_ids_ptr: int, dst_ids_ptr: int,
+                           num_blocks: int, stream: Stream, max_blocks: int) -> None: ...
+
+    # ---- device memory ---------------------------------------------------------------------------------
+    def alloc_device_bytes(self, nbytes: int) -> torch.Tensor: ...

@@ -40,16 +40,17 @@ from collections.abc import Collection
 from worker_side.backends.base import CopyJob, JobKind, JobResult, TransferBackend
 from worker_side.backends.cuda.api import CudaError, CudaRuntime, Stream
 from worker_side.backends.cuda.calibration import JobTimer, calibrate, num_calibration_blocks
-from worker_side.backends.cuda.copy_paths import CopyPaths
+from worker_side.backends.cuda.copy_paths import CopyPaths, Helper, PartialSubmission
 from worker_side.backends.cuda.fences import StepFences
 from worker_side.backends.cuda.inflight import InFlight, InFlightJobs
 from worker_side.backends.cuda.kernel_args import KernelArgs
 from worker_side.backends.cuda.kernel_policy import KERNEL_MAX_SEGMENT_BYTES, KERNEL_MAX_SMS, KernelPolicy
 from worker_side.backends.cuda.pageable_copier import PageableCopier, Ticket
+from worker_side.backends.cuda.staging import STAGED_MAX_CTAS, StagedPath, StagingPlan
 from worker_side.block_layout import TensorBlockView
 from worker_side.copy_plan import CopyGeometry
 from worker_side.errors import BackendError, WorkerClosedError, WorkerInvariantError
-from worker_side.host_pool import HostPool
+from worker_side.host_pool import BLOCKS, PLANES, HostPool, merges_across_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +65,12 @@ class CudaBackend(TransferBackend):
     def __init__(self, num_streams: int = 2, runtime: CudaRuntime | None = None,
                  kernel_max_segment_bytes: int = KERNEL_MAX_SEGMENT_BYTES, ring_entries: int = RING_ENTRIES,
                  kernel_directions: Collection[JobKind] = ("load", "store"), kernel_min_segments: int = 1,
-                 kernel_max_sms: int = KERNEL_MAX_SMS, calibrate: bool = False) -> None:
+                 kernel_max_sms: int = KERNEL_MAX_SMS, calibrate: bool = False, staging_bytes: int = 0,
+                 staged_max_ctas: int = STAGED_MAX_CTAS) -> None:
         """Constructed directly (tests, benchmarks) the kernel may take either direction from one segment
-        on; `make_backend` passes the configuration's values (vLLM's defaults: loads only, >= 16 segments).
-        `kernel_max_sms` caps the grid of a runtime this backend creates (a given runtime keeps its own)."""
+        on and nothing is staged; `make_backend` passes the configuration's values (the defaults: staged
+        both ways, no direct kernel, calibrated). `kernel_max_sms` caps the grid of a runtime this backend
+        creates (a given runtime keeps its own); `staged_max_ctas` the staged kernel's grid."""
         self._owns_runtime = runtime is None
         if runtime is None:
             from worker_side.backends.cuda.runtime import TorchCudaRuntime
@@ -75,7 +78,10 @@ class CudaBackend(TransferBackend):
             runtime = TorchCudaRuntime(kernel_max_sms=kernel_max_sms)  # BackendError without a CUDA device
         self.rt = runtime
         self.num_streams = max(1, num_streams)
-        self.policy = KernelPolicy.make(kernel_directions, kernel_max_segment_bytes, kernel_min_segments)
+        self.staging_bytes = staging_bytes
+        self.staged_max_ctas = staged_max_ctas
+        self.policy = KernelPolicy.make(kernel_directions, kernel_max_segment_bytes, kernel_min_segments,
+                                        ("load", "store") if staging_bytes > 0 else ())
         self.calibrate = calibrate
         self.fences = StepFences(runtime)
         self.paths = CopyPaths(runtime)
@@ -88,7 +94,8 @@ class CudaBackend(TransferBackend):
         self.pinned = False
         self.num_pin_failures = 0
         self.num_failed_submissions = 0  # jobs whose copies could not be submitted (reported failed)
-        self.kernel_off_reason: str | None = None  # why the kernel is not used (None: it is, per policy)
+        self.kernel_off_reason: str | None = None  # why the direct kernel is not used (None: it is, per policy)
+        self.staged_off_reason: str | None = None  # why the staged path is not used (None: it is, per policy)
         self.calibration: list = []  # calibration.Measurement of the start-up calibration, if it ran
         self._closed = False
 
@@ -112,7 +119,7 @@ class CudaBackend(TransferBackend):
         """Every direction with a rule (or both, when none has one) gets this bound; 0 turns the kernel off."""
         kinds = list(self.policy.rules) or ["load", "store"]
         min_segments = min((r.min_segments for r in self.policy.rules.values()), default=1)
-        self.policy = KernelPolicy.make(kinds, value, min_segments)
+        self.policy = KernelPolicy.make(kinds, value, min_segments, self.policy.staged)
 
     # ---- binding ----------------------------------------------------------------------------------
     def _resolve_device(self, device_views: list[TensorBlockView]) -> int:
@@ -138,6 +145,18 @@ class CudaBackend(TransferBackend):
     def numa_node(self, device_views: list[TensorBlockView]) -> int | None:
         return self.rt.numa_node(self._resolve_device(device_views))
 
+    def host_layout(self, device_views: list[TensorBlockView]) -> str:
+        """`blocks` (each CPU block one range) where the staged path is configured and its kernel can run here,
+        or where the engine's blocks are contiguous across tensors (their chunks merge: vLLM's block-outermost
+        layouts); else `planes`, where DMA moves a run of blocks as one segment per chunk."""
+        if merges_across_tensors(device_views):
+            return BLOCKS
+        if self.staging_bytes > 0:
+            device = self._resolve_device(device_views)
+            if self.rt.can_use_host_pointer(device) and self.rt.supports_kernel:
+                return BLOCKS
+        return PLANES
+
     def bind(self, device_views: list[TensorBlockView], pool: HostPool) -> None:
         device = self._resolve_device(device_views)
         rows = pool.rows_per_registration
@@ -150,24 +169,37 @@ class CudaBackend(TransferBackend):
                          "store": self.rt.create_stream(low_priority=True) if separate else load_stream}
         if not self.pinned:
             self._copier = PageableCopier(self.rt, device)
-        self.kernel_off_reason = self._kernel_off_reason(device)
-        if self.kernel_off_reason is None:
-            self._make_kernel_args()
+        elif separate:  # a second DMA stream per direction (copy_paths.dma, staging.py)
+            self.paths.helpers = {kind: Helper(self.rt.create_stream(low_priority=kind == "store"),
+                                               self.rt.create_event(), self.rt.create_event())
+                                  for kind in ("load", "store")}
+        unusable = self._kernel_unusable(device)
+        wanted = bool(self.policy.rules) or self.staging_bytes > 0
+        if unusable is None and wanted:
+            unusable = self._make_kernel_args()
+        self.kernel_off_reason = ("transfer.kernel_directions is empty or transfer.kernel_max_segment_bytes is 0"
+                                  if not self.policy.rules else unusable)
+        self.staged_off_reason = self._make_staged(device_views, pool, unusable)
         if self.kernel_off_reason is not None:
             log = logger.info if not self.policy.rules else logger.warning
-            log("offload: block-copy kernel off on device %d: %s; copies use the copy engines (DMA)",
-                device, self.kernel_off_reason)
-            self.policy = KernelPolicy({})
-            return
-        if self.calibrate:
+            log("offload: direct block-copy kernel off on device %d: %s", device, self.kernel_off_reason)
+            self.policy = KernelPolicy({}, self.policy.staged)
+        if self.staged_off_reason is not None:
+            log = logger.info if self.staging_bytes <= 0 else logger.warning
+            log("offload: staged copies off on device %d: %s", device, self.staged_off_reason)
+            self.policy = self.policy.without_staged()
+        if self.calibrate and (self.policy.rules or self.policy.staged):
             self._calibrate(device, min(v.num_blocks for v in device_views), pool.num_blocks)
-        logger.info("offload: copy policy on device %d: %s", device, self.policy.describe())
+        logger.info("offload: copy paths on device %d: %s%s", device, self.policy.describe(), self.staging_line())
 
-    def _kernel_off_reason(self, device: int) -> str | None:
-        """Why this device and pool cannot use the kernel, or None. The device attribute is checked before
+    def staging_line(self) -> str:
+        """What the start-up line says of the staging ring (empty without one)."""
+        staged = self.paths.staged
+        return "" if staged is None else f"; staging ring {staged.plan.describe()}"
+
+    def _kernel_unusable(self, device: int) -> str | None:
+        """Why this device and pool cannot run our kernels, or None. The device attribute is checked before
         the runtime compiles anything."""
-        if not self.policy.rules:
-            return "transfer.kernel_directions is empty or transfer.kernel_max_segment_bytes is 0"
         if not self.pinned:
             return "the host pool is not pinned"
         if not self.rt.can_use_host_pointer(device):
@@ -175,6 +207,25 @@ class CudaBackend(TransferBackend):
                     "registered host memory at its host address")
         if not self.rt.supports_kernel:
             return self.rt.kernel_error or "the runtime has no block-copy kernel"
+        return None
+
+    def _make_staged(self, device_views: list[TensorBlockView], pool: HostPool, unusable: str | None) -> str | None:
+        """Set up the staged path; why it is off, or None."""
+        if self.staging_bytes <= 0:
+            return "transfer.staging_bytes is 0"
+        if unusable is not None:
+            return f"its kernel cannot run here: {unusable}"
+        if pool.layout != BLOCKS:
+            return f"the host pool's layout is {pool.layout!r} (our bug: staging needs {BLOCKS!r})"
+        plan = StagingPlan.fit(self.staging_bytes, pool.bytes_per_block)
+        if isinstance(plan, str):
+            return plan
+        try:
+            helpers = {kind: h.stream for kind, h in self.paths.helpers.items()}
+            self.paths.staged = StagedPath(self.rt, device_views, pool, plan, self.fences, self.staged_max_ctas,
+                                           helpers)
+        except CudaError as exc:
+            return f"its {plan.describe()} could not be had ({exc}); copies go by DMA"
         return None
 
     def _pin(self, ranges: list[tuple[int, int]]) -> bool:
@@ -190,23 +241,27 @@ class CudaBackend(TransferBackend):
             return False
         return True
 
-    def _make_kernel_args(self) -> None:
+    def _make_kernel_args(self) -> str | None:
+        """Pin the kernels' arguments; why that failed, or None."""
         try:
             kernel_args = KernelArgs(self.rt, self.paths.geometry, self._streams["store"] is self._streams["load"],
                                      self._ring_entries)
         except CudaError as exc:
-            self.kernel_off_reason = f"its arguments could not be pinned ({exc})"
-            return
+            return f"its arguments could not be pinned ({exc})"
         self.paths.kernel_args = kernel_args
         self._registered.append(kernel_args.ptr)
+        return None
 
     def _calibrate(self, device: int, num_device_blocks: int, num_host_blocks: int) -> None:
-        """Time kernel against DMA on this device and adopt the policy that measures faster (calibration.py);
+        """Time the available paths on this device and adopt the policy that measures faster (calibration.py);
         on any failure keep the configured policy. Runs before any request; waits for every copy it made."""
         geometry = self.paths.geometry
-        num_blocks = num_calibration_blocks(num_device_blocks, num_host_blocks, geometry["load"].bytes_per_block)
+        staged = self.paths.staged
+        num_blocks = num_calibration_blocks(num_device_blocks, num_host_blocks, geometry["load"].bytes_per_block,
+                                            staged.plan.slot_blocks if staged is not None and self.policy.staged else 0)
         stream = self._streams["load"]
-        timer = JobTimer(self.rt, stream, self.paths.issue, self.paths.release)
+        timer = JobTimer(self.rt, stream, self.paths.issue, self.paths.release,
+                         self.paths.staged.streams if self.paths.staged is not None else ())
         t0 = time.perf_counter()
         try:
             self.fences.order("store", stream)  # after whatever the engine launched so far
@@ -214,7 +269,8 @@ class CudaBackend(TransferBackend):
         except Exception as exc:  # a device we cannot time: the configured policy stays
             logger.warning("offload: calibration on device %d failed (%s: %s); keeping %s", device,
                            type(exc).__name__, exc, self.policy.describe())
-            self.rt.synchronize_stream(stream)
+            for s in [stream, *timer.other_streams]:
+                self.rt.synchronize_stream(s)
             timer.release_held()
             return
         logger.info("offload: calibrated on device %d in %.0f ms over %d shapes", device,
@@ -238,7 +294,7 @@ class CudaBackend(TransferBackend):
         if job.job_id in self._jobs:
             raise WorkerInvariantError(f"job id {job.job_id} submitted twice (our bug)")
         self._use_device()
-        stream = self._streams[job.kind]
+        stream = done_stream = self._streams[job.kind]
         entry = InFlight(job, None, 0)
         try:
             self.fences.order(job.kind, stream)
@@ -249,16 +305,18 @@ class CudaBackend(TransferBackend):
                 self.paths.num_jobs_by_path["pageable"] += 1
             else:
                 self._wait_for_jobs(job.after, stream)
-                entry.ring_entries = self.paths.enqueue(job, stream, self.policy)
+                entry.ring_entries, done_stream = self.paths.enqueue(job, stream, self.policy)
         except WorkerInvariantError:
             raise
         except Exception as exc:  # CudaError, or what the bindings raise for a code they cannot name
+            if isinstance(exc, PartialSubmission):  # copies enqueued before the error still read their ids
+                entry.ring_entries, exc = exc.entries, exc.cause
             entry.error = f"{type(exc).__name__}: {exc}"
             self.num_failed_submissions += 1
             logger.warning("offload: %s job %d (%d blocks) failed at submission: %s", job.kind, job.job_id,
                            job.num_blocks, entry.error)
         if entry.ticket is None:
-            self._record_done(entry, stream)
+            self._record_done(entry, done_stream)
         self._jobs.add(entry)
 
     def _wait_for_jobs(self, job_ids: tuple[int, ...], stream: Stream) -> None:
@@ -327,7 +385,9 @@ class CudaBackend(TransferBackend):
         if self._copier is not None:
             self._copier.close()
         self._use_device()
-        for stream in {id(s): s for s in self._streams.values()}.values():
+        streams = [*self._streams.values(), *(h.stream for h in self.paths.helpers.values()),
+                   *(self.paths.staged.streams if self.paths.staged else ())]
+        for stream in {id(s): s for s in streams}.values():
             self.rt.synchronize_stream(stream)
         self._unpin()
         if self._owns_runtime:

@@ -1,14 +1,19 @@
-"""How the CUDA backend issues one job's copies: one block-copy kernel launch, or the copy engines (DMA).
+"""How the CUDA backend issues one job's copies: staged, one block-copy kernel launch, or DMA.
 
 A part of the CUDA backend (backend.py), on the engine thread with the KV cache's device current. It owns
-the copy geometry of each direction (`CopyGeometry`, fixed at bind) and, where the kernel is on, the
-kernel's registered arguments (kernel_args.py: the plane tables and one block-id ring per stream).
-`enqueue(job, stream, policy)` takes the path `policy` (kernel_policy.py) picks from the job's segments:
+the copy geometry of each direction (`CopyGeometry`, fixed at bind), where the kernels are on their
+registered arguments (kernel_args.py: the plane tables and one block-id ring per stream), and where the
+staging ring could be had the staged path (staging.py).
+`enqueue(job, stream, policy)` takes the path `policy` (kernel_policy.py) picks:
+- "staged": the job's block ids (GPU ids and staging-ring positions) into the argument ring, then one
+  gather or scatter launch and one batched DMA call per chunk of the ring's slot size, the two overlapping
+  across chunks (staging.py); a full argument ring sends the job by DMA;
 - "kernel": one launch, which reads the direction's plane table and the job's block ids (written into the
   ring, held until the job completed: the backend gives them back with `release`) and finds every chunk
   itself, so the host's work is O(blocks), never O(blocks x layers); a full ring sends the job by DMA;
-- "batch": one `memcpy_batch` of the job's segments; "per_segment": one `memcpy` per segment, where the
-  driver lacks the batched call.
+- "batch": `memcpy_batch` calls of at most `BATCH_SEGMENTS` segments (the first of `FIRST_BATCH`), taking
+  turns on the direction's copy stream and its helper (`dma`); "per_segment": one `memcpy` per segment,
+  where the driver lacks the batched call.
 `num_copy_calls` counts the launches and memcpy calls made, `num_jobs_by_path` the path each job took (the
 backend counts "pageable" jobs, which its copy thread issues). A driver error propagates to the backend,
 which fails the job; a launch that raises keeps no ring entries (kernel_args.py).
@@ -16,17 +21,41 @@ which fails the job; a launch that raises keeps no ring entries (kernel_args.py)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from worker_side.backends.base import CopyJob, JobKind
-from worker_side.backends.cuda.api import CudaRuntime, Stream
+from worker_side.backends.cuda.api import CudaRuntime, Event, Stream
 from worker_side.backends.cuda.arg_ring import ArgRing
 from worker_side.backends.cuda.kernel_args import KernelArgs
 from worker_side.backends.cuda.kernel_policy import KernelPolicy
+from worker_side.backends.cuda.staging import StagedPath
 from worker_side.copy_plan import CopyGeometry, Segments
 from worker_side.errors import WorkerInvariantError
 
-PATHS = ("kernel", "batch", "per_segment", "pageable")
+FIRST_BATCH = 8  # segments in a job's first batched DMA call: the copy engines start after it returned
+BATCH_SEGMENTS = 64  # segments in each further call
+
+
+@dataclass(frozen=True, slots=True)
+class Helper:
+    """A direction's second DMA stream and the two events that join it to the first (see `CopyPaths.dma`)."""
+    stream: Stream
+    go: Event
+    joined: Event
+
+
+class PartialSubmission(Exception):
+    """A job failed after some of its copies were enqueued: they hold `entries` argument-ring entries until
+    the job's completion event (recorded after them) fires. `cause` is the driver's error."""
+
+    def __init__(self, entries: int, cause: Exception) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.entries, self.cause = entries, cause
+
+
+PATHS = ("staged", "kernel", "batch", "per_segment", "pageable")
 
 
 class CopyPaths:
@@ -34,6 +63,8 @@ class CopyPaths:
         self.rt = rt
         self.geometry: dict[JobKind, CopyGeometry] = {}  # set at bind
         self.kernel_args: KernelArgs | None = None  # set at bind, where the kernel is on
+        self.staged: StagedPath | None = None  # set at bind, where the staging ring could be had
+        self.helpers: dict[JobKind, Helper] = {}  # set at bind, where copies have streams of their own
         self.num_copy_calls = 0  # memcpy / memcpy_batch / kernel-launch calls made (engine thread)
         self.num_jobs_by_path = dict.fromkeys(PATHS, 0)  # the path each submitted job took
 
@@ -49,8 +80,39 @@ class CopyPaths:
     def segments(self, kind: JobKind, src_ids: np.ndarray, dst_ids: np.ndarray) -> Segments:
         return self.geometry[kind].segments(src_ids, dst_ids)
 
-    def enqueue(self, job: CopyJob, stream: Stream, policy: KernelPolicy) -> int:
-        """Submit the job's copies by the policy's path; returns the ring entries it holds until it completes."""
+    def enqueue(self, job: CopyJob, stream: Stream, policy: KernelPolicy) -> tuple[int, Stream]:
+        """Submit the job's copies by the policy's path; returns the ring entries it holds until it completes
+        and the stream to record its completion on (`stream`, except for a staged load)."""
+        if self.staged is not None and policy.use_staged(job.kind, len(job.src_ids)):
+            staged = self.stage(job, stream)
+            if staged is not None:  # None: the argument ring is full; this job goes another way
+                self.num_jobs_by_path["staged"] += 1
+                return staged
+        return self._enqueue_direct(job, stream, policy), stream
+
+    def stage(self, job: CopyJob, stream: Stream) -> tuple[int, Stream] | None:
+        """The job by the staged path: (ring entries held, completion stream), None when the ring is full."""
+        if self.staged is None or self.kernel_args is None:
+            raise WorkerInvariantError(f"{job.kind} job: staged path without its ring or arguments (our bug)")
+        ring = self.kernel_args.rings[job.kind]
+        plan = self.staged.plan_job(job)
+        written = ring.write(plan.kernel_src, plan.kernel_dst)
+        if written is None:
+            return None
+        ptr, entries = written
+        before = self.staged.num_chunks
+        try:
+            done_stream = self.staged.enqueue(job, plan, stream, ptr)
+        except Exception as exc:
+            if self.staged.num_chunks == before:  # nothing enqueued reads the ids
+                ring.unwrite(entries)
+                raise
+            raise PartialSubmission(entries, exc) from exc  # enqueued chunks read the ids until the job ends
+        finally:
+            self.num_copy_calls += 2 * (self.staged.num_chunks - before)
+        return entries, done_stream
+
+    def _enqueue_direct(self, job: CopyJob, stream: Stream, policy: KernelPolicy) -> int:
         geometry = self.geometry[job.kind]
         src_ids, dst_ids = job.src_ids, job.dst_ids
         runs = geometry.runs(src_ids, dst_ids)
@@ -64,15 +126,22 @@ class CopyPaths:
         self.num_jobs_by_path[self.dma(job.kind, src_ids, dst_ids, runs, stream)] += 1
         return 0
 
-    def issue(self, kind: JobKind, path: str, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Stream) -> int:
-        """One calibration job by `path` ("kernel" | "dma"); the ring entries it holds."""
+    def issue(self, kind: JobKind, path: str, src_ids: np.ndarray, dst_ids: np.ndarray,
+              stream: Stream) -> tuple[int, Stream]:
+        """One calibration job by `path` ("staged" | "kernel" | "dma"): the ring entries it holds and the
+        stream its end is recorded on."""
+        if path == "staged":
+            staged = self.stage(CopyJob(0, kind, 0, src_ids, dst_ids), stream)
+            if staged is None:
+                raise WorkerInvariantError("calibration: the argument ring is full while nothing else runs (our bug)")
+            return staged
         if path == "kernel":
             entries = self.launch(kind, src_ids, dst_ids, stream)
             if entries is None:
                 raise WorkerInvariantError("calibration: the argument ring is full while nothing else runs (our bug)")
-            return entries
+            return entries, stream
         self.dma(kind, src_ids, dst_ids, self.geometry[kind].runs(src_ids, dst_ids), stream)
-        return 0
+        return 0, stream
 
     def launch(self, kind: JobKind, src_ids: np.ndarray, dst_ids: np.ndarray, stream: Stream) -> int | None:
         """One kernel launch (kernel_args.py): the ring entries it holds, None when the ring is full."""
@@ -85,13 +154,31 @@ class CopyPaths:
 
     def dma(self, kind: JobKind, src_ids: np.ndarray, dst_ids: np.ndarray,
             runs: tuple[np.ndarray, np.ndarray, np.ndarray], stream: Stream) -> str:
-        """The job's segments by the copy engines: one batched call, or one call per segment. Its path."""
+        """The job's segments by the copy engines: batched calls, or one call per segment. Its path.
+
+        The driver starts a batched call's copies only once the call returned, and a call costs about 1 us
+        per segment (measured on an H200 host): so the first call takes `FIRST_BATCH` segments and the others
+        `BATCH_SEGMENTS` each, and where this direction has a helper stream the calls take turns on the two
+        (two copy engines overlap their per-segment costs). The helper starts after what `stream` waited for
+        (`go`) and `stream` continues after it (`joined`): to everyone else the job is on `stream`."""
         segs = self.geometry[kind].segments(src_ids, dst_ids, runs)
-        if self.rt.supports_batch:
-            self.rt.memcpy_batch(segs.dst, segs.src, segs.nbytes, stream)
+        rt = self.rt
+        if not rt.supports_batch:
+            for d, s, n in zip(segs.dst.tolist(), segs.src.tolist(), segs.nbytes.tolist(), strict=True):
+                rt.memcpy(d, s, n, stream)
+                self.num_copy_calls += 1
+            return "per_segment"
+        dst, src, nbytes = (a.astype(np.uint64) for a in (segs.dst, segs.src, segs.nbytes))
+        cuts = [0, *range(min(FIRST_BATCH, len(nbytes)), len(nbytes), BATCH_SEGMENTS), len(nbytes)]
+        helper = self.helpers.get(kind)
+        streams = [stream] if helper is None or len(cuts) <= 2 else [stream, helper.stream]
+        if len(streams) > 1:
+            rt.record_event(helper.go, stream)
+            rt.wait_event(helper.stream, helper.go)
+        for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
+            rt.memcpy_batch(dst[a:b], src[a:b], nbytes[a:b], streams[i % len(streams)])
             self.num_copy_calls += 1
-            return "batch"
-        for d, s, n in zip(segs.dst.tolist(), segs.src.tolist(), segs.nbytes.tolist(), strict=True):
-            self.rt.memcpy(d, s, n, stream)
-            self.num_copy_calls += 1
-        return "per_segment"
+        if len(streams) > 1:
+            rt.record_event(helper.joined, helper.stream)
+            rt.wait_event(stream, helper.joined)
+        return "batch"

@@ -17,9 +17,12 @@ What it binds to, and why:
 - Driver errors: an error code the installed cuda-bindings cannot name (723, 1000, ...: their calls raise
   KeyError for it in 12.9 and 13.0, ValueError in 13.5, and `CUresult(code)` raises ValueError) still
   becomes a `CudaError` naming the call and the number.
-- The block-copy kernel (segment_copy.cu, loaded and launched by cuda_kernel.py) is compiled on first use of
-  `supports_kernel` for the current device; `kernel_error` says why it is not available. Its grid is at most
-  `kernel_max_sms` thread blocks, never more than the device's SM count.
+- The block-copy kernels (segment_copy.cu, loaded and launched by kernel.py) are compiled on first use of
+  `supports_kernel` for the current device; `kernel_error` says why they are not available. A grid is at most
+  `kernel_max_sms` thread blocks (the staged kernel: the caller's `max_blocks`), never more than the device's
+  SM count.
+- Device memory (`alloc_device_bytes`: the staging ring and its plane tables) comes from torch's allocator, so
+  it is the engine's memory as torch accounts for it.
 
 Invariants: importing this module needs neither cupy nor cuda-bindings and loads no CUDA library beyond
 torch; without a CUDA device `TorchCudaRuntime()` raises `BackendError`. `supports_batch` is True only when
@@ -42,7 +45,7 @@ import numpy as np
 import torch
 
 from worker_side.backends.cuda.api import CudaError, Event, Stream
-from worker_side.backends.cuda.kernel import KERNEL_NAMES, KERNEL_SOURCE, BlockCopyKernel
+from worker_side.backends.cuda.kernel import KERNEL_NAMES, KERNEL_SOURCE, LAUNCH_ARGTYPES, BlockCopyKernel
 from worker_side.backends.cuda.kernel_policy import KERNEL_MAX_SMS
 from worker_side.errors import BackendError
 
@@ -130,7 +133,7 @@ class TorchCudaRuntime:
         self._attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)  # zero hints, flags 0
         self._attr_idxs = (ctypes.c_size_t * 1)(0)
         self.kernel_max_sms = kernel_max_sms
-        self._kernel = BlockCopyKernel()
+        self._kernel = BlockCopyKernel(self._resolve_launch())
         self._retained: list[int] = []  # devices whose primary context a thread of ours retained (one per retain)
         self._retain_lock = threading.Lock()
         self._sms: dict[int, int] = {}  # SM count per device, asked once
@@ -152,6 +155,15 @@ class TorchCudaRuntime:
         if not fn:
             return None, False
         return ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(int(fn)), len(argtypes) == 9
+
+    def _resolve_launch(self) -> Any:
+        """The driver's cuLaunchKernel as a ctypes function (kernel.py launches through it), or None."""
+        drv = self._drv
+        try:
+            fn = _call(drv, "cuGetProcAddress(cuLaunchKernel)", drv.cuGetProcAddress, b"cuLaunchKernel", 12000, 0)[0]
+        except CudaError:
+            return None
+        return ctypes.CFUNCTYPE(ctypes.c_int, *LAUNCH_ARGTYPES)(int(fn)) if fn else None
 
     def _bind_context(self) -> None:
         """Once per thread: make the current device's primary context current if no context is (retaining
@@ -238,8 +250,9 @@ class TorchCudaRuntime:
     def compute_stream(self) -> Stream:
         return torch.cuda.current_stream()
 
-    def create_stream(self, low_priority: bool) -> Stream:
-        priority = max(torch.cuda.Stream.priority_range()) if low_priority else 0  # larger = lower priority
+    def create_stream(self, low_priority: bool, high_priority: bool = False) -> Stream:
+        lowest, highest = max(torch.cuda.Stream.priority_range()), min(torch.cuda.Stream.priority_range())
+        priority = highest if high_priority else lowest if low_priority else 0  # larger = lower priority
         return torch.cuda.Stream(priority=priority)
 
     def create_event(self, timing: bool = False) -> Event:
@@ -314,6 +327,21 @@ class TorchCudaRuntime:
         sms = self._sms_of(stream.device_index)
         self._kernel.launch_block_copy(planes_ptr, num_planes, ids_ptr, num_blocks, stream,
                                        max(1, min(self.kernel_max_sms, sms)))
+
+    def launch_staged_copy(self, planes_ptr: int, num_planes: int, src_ids_ptr: int, dst_ids_ptr: int,
+                           num_blocks: int, stream: Stream, max_blocks: int) -> None:
+        sms = self._sms_of(stream.device_index)
+        self._kernel.launch_staged_copy(planes_ptr, num_planes, src_ids_ptr, dst_ids_ptr, num_blocks, stream,
+                                        max(1, min(max_blocks, sms)))
+
+    # ---- device memory -----------------------------------------------------------------------------------
+    def alloc_device_bytes(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of the current device's memory (torch's caching allocator: the engine's own pool, counted
+        in `torch.cuda.memory_allocated`); CudaError when the device has no room."""
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{torch.cuda.current_device()}")
+        except torch.cuda.OutOfMemoryError as exc:
+            raise CudaError(f"allocating {nbytes} bytes of device memory failed: {exc}".splitlines()[0]) from exc
 
     def _sms_of(self, device: int) -> int:
         if device not in self._sms:

@@ -1,0 +1,272 @@
+"""The staged copy path: a job's blocks gathered on the GPU into a staging ring, the ring moved by DMA.
+
+Part of the CUDA backend (backend.py, copy_paths.py). Why: the copy engines move a few large ranges at the
+PCIe link's speed but pay per segment, and a layer-compact KV cache (vLLM's default layouts) cuts every block
+into one small segment per layer and K/V (4-32 KiB); a kernel reading host memory from the SMs reaches the
+link but takes SMs from the forward for the whole copy. Here a kernel touches device memory only (hundreds
+of GB/s on a few thread blocks, so briefly), and the copy engines move whole host blocks (a `blocks` host
+pool: each CPU block is one range).
+
+A job's pairs are sorted by CPU block id (consecutive CPU blocks then share one DMA segment) and cut into
+chunks of at most `slot_blocks` blocks; chunk c takes slot c of the direction's ring (round robin over
+`NUM_SLOTS`) and DMA stream c of `DMA_STREAMS` (the backend's copy stream, then helpers), so two copy
+engines overlap their per-segment costs while the kernel fills the next slots. A store:
+  kernel stream: wait for the forward (the store fence), wait until the slot is free (its previous DMA
+                 completed: `slot_free`), gather the chunk's blocks into the slot, record `slot_ready`;
+  DMA stream:    wait `slot_ready`, DMA the slot into the host blocks, record `slot_free`.
+The backend made its copy stream wait for the jobs in `job.after` (loads still reading host blocks this store
+writes); the helpers wait for that (`go`), and the copy stream waits for the helpers at the end (`joined`),
+where the backend records the job's completion. A load is the reverse:
+  DMA stream:    wait until the slot is free (its previous scatter completed), DMA host blocks into the
+                 slot, record `slot_ready`;
+  kernel stream: wait `slot_ready` (so, through the DMA, the step fence: work launched before this step's
+                 forward may still read the GPU blocks), scatter the slot into the GPU blocks, record
+                 `slot_free`.
+It is done when the kernel stream passes its last chunk; only then may the compute stream read the blocks.
+Host work per job is a fixed number of numpy calls (`_ChunkPlan`); per chunk only the CUDA calls.
+Invariants: the ring (one device allocation: a ring per direction) and the plane tables (another) are
+allocated at bind and never resized; a slot is never written before the copy that reads it completed; every
+event here is permanent and re-recorded only after the waits on its previous record were enqueued; the
+kernel's block ids live in the direction's argument ring (kernel_args.py) until the job completed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from offload_connector.sizing import format_bytes
+from worker_side.backends.base import CopyJob, JobKind
+from worker_side.backends.cuda.api import CudaRuntime, Event, Stream
+from worker_side.backends.cuda.fences import StepFences
+from worker_side.block_layout import TensorBlockView
+from worker_side.copy_plan import CopyGeometry
+from worker_side.errors import WorkerInvariantError
+from worker_side.host_pool import BLOCKS, HostPool
+
+STAGING_BYTES = 64 << 20  # transfer.staging_bytes: both directions' rings together
+NUM_SLOTS = 4  # per direction: two being copied (one per DMA stream) while the kernel fills the others
+MAX_SLOT_BLOCKS = 1024  # the staged kernel's shared-memory id list (segment_copy.cu)
+STAGED_MAX_CTAS = 16  # transfer.staging_max_sms: the staged kernel's grid (thread blocks of 8 warps)
+PIECE_BYTES = 32 << 10  # the largest chunk one warp of the staged kernel copies (plane_table(max_piece))
+DMA_STREAMS = 2  # chunks take turns on the copy stream and the helper (the H200 has 3 copy engines)
+
+
+@dataclass(frozen=True, slots=True)
+class StagingPlan:
+    """The ring's shape for this model: per direction `num_slots` slots of `slot_blocks` blocks."""
+    bytes_per_block: int
+    slot_blocks: int
+    num_slots: int = NUM_SLOTS
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.num_slots * self.slot_blocks * self.bytes_per_block
+
+    @staticmethod
+    def fit(staging_bytes: int, bytes_per_block: int) -> StagingPlan | str:
+        """The plan for `staging_bytes` of GPU memory (both directions), or why there is none."""
+        slot_bytes = staging_bytes // (2 * NUM_SLOTS)
+        if bytes_per_block <= 0 or slot_bytes < bytes_per_block:
+            return (f"a block of {bytes_per_block:,} bytes does not fit one of the {2 * NUM_SLOTS} staging slots of "
+                    f"transfer.staging_bytes={staging_bytes:,} (raise it to at least {2 * NUM_SLOTS * bytes_per_block:,})")
+        return StagingPlan(bytes_per_block, min(MAX_SLOT_BLOCKS, slot_bytes // bytes_per_block))
+
+    def describe(self) -> str:
+        return (f"{format_bytes(2 * self.ring_bytes)} of GPU memory ({self.num_slots} slots of {self.slot_blocks} "
+                f"blocks = {format_bytes(self.slot_blocks * self.bytes_per_block)} each way)")
+
+
+@dataclass(slots=True)
+class _Ring:
+    kind: JobKind
+    base_slot: int  # this direction's first block position in the ring views
+    stream: Stream  # the kernel's stream (gathers for stores, scatters for loads)
+    table_ptr: int  # the kernel's plane table (device memory)
+    num_planes: int
+    slot_ready: list[Event]
+    slot_free: list[Event]
+    helpers: list[Stream]  # DMA streams besides the backend's copy stream
+    go: Event  # recorded on the copy stream at a job's start; the helpers wait for it
+    joined: list[Event]  # per helper: recorded after its last DMA of a job; the copy stream waits for it
+    free_recorded: list[bool] = field(default_factory=list)
+    next_slot: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _ChunkPlan:
+    """One job's chunks, computed with a fixed number of numpy calls: the kernel's block ids, and the DMA
+    segments (uint64, the batched copy's argument type) with the segment range of each chunk."""
+    kernel_src: np.ndarray
+    kernel_dst: np.ndarray
+    dst: np.ndarray
+    src: np.ndarray
+    nbytes: np.ndarray
+    bounds: np.ndarray  # chunk c's segments are [bounds[c], bounds[c + 1])
+    sizes: np.ndarray  # blocks per chunk
+    slots: np.ndarray  # the slot of each chunk
+
+
+class StagedPath:
+    """The staged path of one backend: its device memory, kernel streams and per-slot events."""
+
+    def __init__(self, rt: CudaRuntime, device_views: Sequence[TensorBlockView], pool: HostPool, plan: StagingPlan,
+                 fences: StepFences, max_ctas: int, helpers: dict[JobKind, Stream] | None = None) -> None:
+        """Allocates the ring and uploads the plane tables (synchronously); a CudaError propagates, keeping
+        nothing. `pool` must be a `blocks` pool. `helpers`: per direction a second DMA stream (the backend's,
+        shared with its direct DMA path), or none."""
+        if pool.layout != BLOCKS or plan.bytes_per_block != pool.bytes_per_block:
+            raise WorkerInvariantError(f"staged path over a {pool.layout!r} pool of {pool.bytes_per_block}-byte blocks "
+                                       f"with a plan for {plan.bytes_per_block}-byte blocks (our bug)")
+        self.rt, self.plan, self.fences, self.max_ctas = rt, plan, fences, max_ctas
+        ring_blocks = plan.num_slots * plan.slot_blocks  # per direction
+        bpb = plan.bytes_per_block
+        # ring positions [0, ring_blocks) are the store ring, [ring_blocks, 2 ring_blocks) the load ring
+        self.ring = rt.alloc_device_bytes(2 * ring_blocks * bpb)
+        ring_views = pool.views_at(self.ring, 2 * ring_blocks)
+        tables = {"store": CopyGeometry.build(device_views, ring_views).plane_table(PIECE_BYTES),
+                  "load": CopyGeometry.build(ring_views, device_views).plane_table(PIECE_BYTES)}
+        self.tables = rt.alloc_device_bytes(tables["store"].nbytes + tables["load"].nbytes)
+        table_at = {"store": self.tables.data_ptr(), "load": self.tables.data_ptr() + tables["store"].nbytes}
+        self._upload_tables(tables, table_at["store"])
+        self.rings: dict[JobKind, _Ring] = {}
+        helpers_by_kind = helpers or {}
+        for i, kind in enumerate(("store", "load")):
+            n = plan.num_slots
+            helpers = [helpers_by_kind[kind]] if kind in helpers_by_kind and DMA_STREAMS > 1 else []
+            self.rings[kind] = _Ring(kind, i * ring_blocks, rt.create_stream(low_priority=False, high_priority=True),
+                                     table_at[kind],
+                                     len(tables[kind]), [rt.create_event() for _ in range(n)],
+                                     [rt.create_event() for _ in range(n)], helpers, rt.create_event(),
+                                     [rt.create_event() for _ in helpers], [False] * n)
+        self.ring_base, self.pool_base = self.ring.data_ptr(), pool.buffer.data_ptr()
+        self.cut_rows = pool.rows_per_registration
+        self.num_chunks = 0  # kernel launches (one per chunk)
+
+    def _upload_tables(self, tables: dict[str, np.ndarray], device_ptr: int) -> None:
+        """Copy both plane tables to device memory at `device_ptr`, through a registered host buffer (the
+        seam's copies need one), and wait for it: this runs once, at bind."""
+        from worker_side.host_memory import allocate_host_buffer
+
+        host = np.concatenate([tables["store"].ravel(), tables["load"].ravel()])
+        buffer = allocate_host_buffer(host.nbytes)
+        buffer.numpy().view(np.int64)[:] = host
+        self.rt.host_register(buffer.data_ptr(), buffer.numel())
+        try:
+            stream = self.rt.create_stream(low_priority=False)
+            self.rt.memcpy(device_ptr, buffer.data_ptr(), host.nbytes, stream)
+            self.rt.synchronize_stream(stream)
+        finally:
+            self.rt.host_unregister(buffer.data_ptr())
+
+    @property
+    def streams(self) -> list[Stream]:
+        """The staged path's own streams: the kernel streams (high priority: a gather or scatter waits for
+        free SMs behind no queued forward work)."""
+        return [r.stream for r in self.rings.values()]
+
+    def blocks_per_chunk(self) -> int:
+        return self.plan.slot_blocks
+
+    def plan_job(self, job: CopyJob) -> _ChunkPlan:
+        """The job's chunks in the slots the next `enqueue` of this direction takes (see the module
+        docstring); call it right before that `enqueue`."""
+        ring, k, num_slots, bpb = self.rings[job.kind], self.plan.slot_blocks, self.plan.num_slots, self.plan.bytes_per_block
+        store = job.kind == "store"
+        host, gpu = (job.dst_ids, job.src_ids) if store else (job.src_ids, job.dst_ids)
+        order = np.argsort(host, kind="stable")
+        host, gpu = host[order], gpu[order]
+        n = len(host)
+        index = np.arange(n, dtype=np.int64)
+        chunk = index // k
+        num_chunks = int(chunk[-1]) + 1 if n else 0
+        slots = (ring.next_slot + np.arange(num_chunks, dtype=np.int64)) % num_slots
+        positions = ring.base_slot + slots[chunk] * k + index % k
+        # a DMA segment: a run of consecutive host blocks, within one chunk and one host registration
+        brk = np.diff(host) != 1
+        brk |= (index[1:] % k) == 0
+        if self.cut_rows is not None:
+            brk |= (host[1:] % self.cut_rows) == 0
+        starts = np.concatenate(([0], np.flatnonzero(brk) + 1)).astype(np.int64)
+        lengths = np.diff(np.concatenate((starts, [n])))
+        ring_addr = (self.ring_base + positions[starts] * bpb).astype(np.uint64)
+        host_addr = (self.pool_base + host[starts] * bpb).astype(np.uint64)
+        nbytes = (lengths * bpb).astype(np.uint64)
+        bounds = np.searchsorted(starts // k, np.arange(num_chunks + 1), side="left")
+        sizes = np.minimum(k, n - np.arange(num_chunks, dtype=np.int64) * k)
+        if store:
+            return _ChunkPlan(gpu, positions, host_addr, ring_addr, nbytes, bounds, sizes, slots)
+        return _ChunkPlan(positions, gpu, ring_addr, host_addr, nbytes, bounds, sizes, slots)
+
+    def enqueue(self, job: CopyJob, plan: _ChunkPlan, copy_stream: Stream, ids: int) -> Stream:
+        """Submit the job's chunks as `plan_job` planned them; `ids` is the address where the argument ring
+        holds `plan.kernel_src` then `plan.kernel_dst`. Returns the stream its completion is recorded on. A
+        CudaError propagates after the copy stream was made to wait for everything already enqueued."""
+        ring, rt = self.rings[job.kind], self.rt
+        try:
+            return self._enqueue(job.kind, ring, plan, ids, copy_stream)
+        except BaseException:
+            # chunks may be enqueued: the job's completion (recorded on `copy_stream` by the caller) must follow
+            # them all, or a failed load would be reported while a scatter still writes
+            for stream in (ring.stream, *ring.helpers):
+                join = rt.create_event()
+                rt.record_event(join, stream)
+                rt.wait_event(copy_stream, join)
+            raise
+
+    def _enqueue(self, kind: JobKind, ring: _Ring, plan: _ChunkPlan, ids: int, copy_stream: Stream) -> Stream:
+        rt, max_ctas = self.rt, self.max_ctas
+        num_chunks = len(plan.sizes)
+        n = int(plan.sizes.sum())
+        dma_streams = [copy_stream, *ring.helpers][:max(1, min(num_chunks, 1 + len(ring.helpers)))]
+        helpers = dma_streams[1:]
+        if kind == "store":  # the gathers read what the forward wrote
+            self.fences.order("store", ring.stream)
+        # a load's scatters need no fence of their own: each waits for its slot's DMA, which follows the step
+        # fence the backend put on the copy stream (and, on the helper, `go`)
+        if helpers:
+            rt.record_event(ring.go, copy_stream)  # what the copy stream waited for (job.after) precedes the helpers
+            for helper in helpers:
+                rt.wait_event(helper, ring.go)
+        table, planes, kernel_stream = ring.table_ptr, ring.num_planes, ring.stream
+        bounds, sizes, slots = plan.bounds.tolist(), plan.sizes.tolist(), plan.slots.tolist()
+        start = 0
+        for c in range(num_chunks):
+            s, m, dma = slots[c], sizes[c], dma_streams[c % len(dma_streams)]
+            a, b = bounds[c], bounds[c + 1]
+            src_ids, dst_ids = ids + 8 * start, ids + 8 * (n + start)
+            if kind == "store":
+                if ring.free_recorded[s]:
+                    rt.wait_event(kernel_stream, ring.slot_free[s])
+                rt.launch_staged_copy(table, planes, src_ids, dst_ids, m, kernel_stream, max_ctas)
+                rt.record_event(ring.slot_ready[s], kernel_stream)
+                rt.wait_event(dma, ring.slot_ready[s])
+                self._copy(plan.dst[a:b], plan.src[a:b], plan.nbytes[a:b], dma)
+                rt.record_event(ring.slot_free[s], dma)
+            else:
+                if ring.free_recorded[s]:
+                    rt.wait_event(dma, ring.slot_free[s])
+                self._copy(plan.dst[a:b], plan.src[a:b], plan.nbytes[a:b], dma)
+                rt.record_event(ring.slot_ready[s], dma)
+                rt.wait_event(kernel_stream, ring.slot_ready[s])
+                rt.launch_staged_copy(table, planes, src_ids, dst_ids, m, kernel_stream, max_ctas)
+                rt.record_event(ring.slot_free[s], kernel_stream)
+            ring.free_recorded[s] = True
+            ring.next_slot = (s + 1) % self.plan.num_slots
+            self.num_chunks += 1
+            start += m
+        if kind == "load":
+            return kernel_stream
+        for helper, joined in zip(helpers, ring.joined, strict=False):
+            rt.record_event(joined, helper)
+            rt.wait_event(copy_stream, joined)
+        return copy_stream
+
+    def _copy(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, stream: Stream) -> None:
+        if self.rt.supports_batch:
+            self.rt.memcpy_batch(dst, src, nbytes, stream)
+            return
+        for d, s, nb in zip(dst.tolist(), src.tolist(), nbytes.tolist(), strict=True):
+            self.rt.memcpy(d, s, nb, stream)
