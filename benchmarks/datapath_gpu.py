@@ -1,38 +1,62 @@
 """`bench_datapath.py --backend cuda`: the CUDA data path on a real GPU (needs one; nothing here runs without).
 
-What it records (one JSON object; scripts/gpu_check.sh saves it):
-- per block size (2 MiB blocks in runs of 16, scattered 64 KiB and 16 KiB blocks; one `--batch-mib` job
-  each way) and per policy (`default`: the configuration's defaults with the start-up calibration; `kernel`:
-  every job by the block-copy kernel; `dma`: every job by batched DMA): store and load GB/s, best of
-  `--reps`, against a contiguous pinned-host <-> device `copy_` of the same bytes in the same run
-  (`*_vs_copy`), copy calls per job, the path each job took, and what the calibration picked;
-- `forward_slowdown`: a bf16 matmul loop on the compute stream, timed alone and while a store and a load of
-  scattered 16 KiB blocks run on the copy streams, per policy (`kernel` / `dma`): `matmul_slowdown` is the
-  cost our copies impose on the forward, `copy_slowdown` what the forward costs the copies.
+One JSON object (scripts/gpu_check.sh saves it as bench_cuda.json):
+- `sweep`: per segment size (the bytes of one layer's K or V of one block: 4 KiB to 2 MiB), per KV layout
+  (`layer_compact`: vLLM's default, each layer its own region, a block is 2 x layers small chunks;
+  `block_outermost`: vLLM's BLHNC, a block is one range across layers), per id pattern (`runs`: runs of 16
+  consecutive ids on both sides; `scattered`: ids drawn at random from pools 4x the job) and per policy
+  (`default`: the configuration's defaults with the start-up calibration; `staged`, `dma`, `kernel`: every
+  job by that path), store and load GB/s of one `--batch-mib` job, best of `--reps`, and the ratio to a
+  contiguous pinned-host <-> device `copy_` of the same bytes measured for that size (`*_vs_copy`);
+  `min_default_vs_copy` is the smallest ratio of the default over every size, layout and direction
+  (scattered ids).
+- `forward_slowdown`: a bf16 matmul loop on the compute stream, timed alone and while stores and loads of
+  scattered 32 KiB segments run, per path: `matmul_slowdown` (median of adjacent pairs) is what our copies
+  cost the forward, `copy_slowdown` what the forward costs the copies.
+- `submit_us`: host time of one `start_store` / `start_load` call (the engine thread's cost), 1 to 64 blocks.
+- `round_trip`: random jobs through the default configuration on a 32-layer Llama-8B-shaped cache
+  (FlashAttention's [2, blocks, 16, 8, 128] bf16 per layer) in both layouts, every block compared byte
+  for byte after a store, a clobber and a load into other blocks.
+- `dma_pieces`: one batched DMA call of scattered pieces (64 KiB to 16 MiB), on one stream and split over
+  two, against the contiguous copy: how large the host side's pieces must be.
 Each store / load is timed from `begin_step` to the end of `wait_all` (the host's submission included),
-with `torch.cuda.synchronize()` after, so a figure is the time a step would wait for it.
+with `torch.cuda.synchronize()` after, so a figure is the time a step would wait for it. A section that
+fails records its error and the others still run.
 """
 
 from __future__ import annotations
 
 import random
+import statistics
 import time
+import traceback
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from offload_connector import load_config
 from offload_connector.metadata import TransferMetadata
 from worker_side import OffloadWorker
 
-GPU_SIZES = {"2MiB": (2 << 20, "runs"), "64KiB": (64 << 10, "scattered"), "16KiB": (16 << 10, "scattered")}
+SEGMENTS = {"4KiB": 4 << 10, "8KiB": 8 << 10, "16KiB": 16 << 10, "32KiB": 32 << 10, "64KiB": 64 << 10,
+            "256KiB": 256 << 10, "2MiB": 2 << 20}
+LAYOUTS = ("layer_compact", "block_outermost")
 POLICIES = {
     "default": {},
+    "staged": {"kernel_directions": [], "calibrate": False},
+    "dma": {"kernel_directions": [], "staging_bytes": 0, "calibrate": False},
     "kernel": {"kernel_directions": ["load", "store"], "kernel_max_segment_bytes": "1GiB", "kernel_min_segments": 1,
-               "calibrate": False},
-    "dma": {"kernel_directions": [], "calibrate": False},
+               "staging_bytes": 0, "calibrate": False},
 }
+MAX_BLOCK_BYTES = 8 << 20
 MATMUL_N = 8192
+POOL_FACTOR = 4  # scattered ids come from pools this many times the job's blocks
+
+
+def num_layers(segment: int) -> int:
+    """32 layers (K and V each) while a block stays within MAX_BLOCK_BYTES, fewer for huge segments."""
+    return max(1, min(32, MAX_BLOCK_BYTES // (2 * segment)))
 
 
 def id_pattern(pattern: str, n: int, pool: int, rng: random.Random) -> list[int]:
@@ -56,10 +80,25 @@ def best_gpu_seconds(reps: int, fn: Callable[[], None]) -> float:
     return best
 
 
-def make_worker(kv: torch.Tensor, pool: int, policy: str) -> OffloadWorker:
-    transfer = {"backend": "cuda", **POLICIES[policy]}
-    worker = OffloadWorker(load_config({"num_cpu_blocks": pool, "transfer": transfer}))
-    worker.register_kv_caches({"kv": kv})
+def make_kv(layout: str, segment: int, layers: int, blocks: int, dtype: torch.dtype = torch.uint8,
+            inner: tuple[int, ...] | None = None) -> dict[str, torch.Tensor]:
+    """Per-layer views as vLLM hands them: `layer_compact` one [2, blocks, ...] region per layer (K/V first,
+    FlashAttention's shape); `block_outermost` one allocation [blocks, layers, 2, ...] (BLHNC) seen per layer."""
+    inner = inner if inner is not None else (segment // torch.empty(0, dtype=dtype).element_size(),)
+    if layout == "layer_compact":
+        whole = torch.randint(0, 256, (layers, 2, blocks, *inner), dtype=torch.uint8, device="cuda").view(dtype) \
+            if dtype == torch.uint8 else torch.randn(layers, 2, blocks, *inner, device="cuda").to(dtype)
+        return {f"l{i}": whole[i] for i in range(layers)}
+    whole = torch.randint(0, 256, (blocks, layers, 2, *inner), dtype=torch.uint8, device="cuda") \
+        if dtype == torch.uint8 else torch.randn(blocks, layers, 2, *inner, device="cuda").to(dtype)
+    return {f"l{i}": whole[:, i] for i in range(layers)}
+
+
+def make_worker(kv: dict[str, torch.Tensor], gpu_blocks: int, cpu_blocks: int, policy: str,
+                extra: dict | None = None) -> OffloadWorker:
+    transfer = {"backend": "cuda", **POLICIES[policy], **(extra or {})}
+    worker = OffloadWorker(load_config({"num_cpu_blocks": cpu_blocks, "transfer": transfer}))
+    worker.register_kv_caches(kv, num_gpu_blocks=gpu_blocks)
     return worker
 
 
@@ -77,9 +116,12 @@ class Jobs:
         self.worker.start_load(TransferMetadata(load_event=next(self._event), load_gpu_blocks=gpu,
                                                 load_cpu_blocks=cpu, load_event_reqs=["r"]))
 
-    def finish(self) -> None:
+    def finish(self) -> dict:
         self.worker.wait_all()
-        self.worker.get_finished()
+        report = self.worker.get_finished()
+        if report.failed_store_events or report.failed_load_gpu_blocks:
+            raise RuntimeError(f"copies failed: {report.failed_store_events} {report.failed_load_gpu_blocks[:8]}")
+        return report
 
     def store_step(self, gpu: list[int], cpu: list[int]) -> None:
         self.worker.begin_step()
@@ -92,46 +134,66 @@ class Jobs:
         self.finish()
 
 
-def bench_policy(kv: torch.Tensor, pool: int, policy: str, gpu: list[int], cpu: list[int], reps: int,
-                 d2h: float, h2d: float) -> dict:
-    worker = make_worker(kv, pool, policy)
-    jobs, backend = Jobs(worker), worker.backend
-    gb = len(gpu) * kv.shape[1] / 1e9
-    calls_before = backend.num_copy_calls
-    store_s = best_gpu_seconds(reps, lambda: jobs.store_step(gpu, cpu))
-    load_s = best_gpu_seconds(reps, lambda: jobs.load_step(gpu, cpu))
-    num_jobs = 2 * (reps + 1)
-    out = {"store_gbps": round(gb / store_s, 2), "load_gbps": round(gb / load_s, 2),
-           "store_vs_copy": round(d2h / store_s, 3), "load_vs_copy": round(h2d / load_s, 3),
-           "copy_calls_per_job": round((backend.num_copy_calls - calls_before) / num_jobs, 2),
-           "jobs_by_path": dict(backend.num_jobs_by_path), "policy": backend.policy.describe(),
-           "kernel_off_reason": backend.kernel_off_reason, "pinned": backend.pinned}
-    if backend.calibration:
-        out["calibration"] = [{"kind": m.kind, "segments": m.num_segments, "avg_segment_bytes": m.avg_segment_bytes,
-                               "kernel_us": round(m.kernel_s * 1e6, 1), "dma_us": round(m.dma_s * 1e6, 1)}
-                              for m in backend.calibration]
-    worker.shutdown()
+def describe_backend(worker: OffloadWorker) -> dict:
+    b = worker.backend
+    out = {"policy": b.policy.describe(), "jobs_by_path": {k: v for k, v in b.num_jobs_by_path.items() if v},
+           "host_layout": worker.host_pool.layout, "planes": b.paths.geometry["store"].num_planes,
+           "kernel_off_reason": b.kernel_off_reason, "staged_off_reason": b.staged_off_reason, "pinned": b.pinned}
+    if b.calibration:
+        out["calibration"] = [{k: (round(v * 1e6, 1) if k.endswith("_s") else v) for k, v in
+                               ((f, getattr(m, f)) for f in m.__slots__)} for m in b.calibration]
     return out
 
 
-def bench_size(block_bytes: int, pattern: str, batch_bytes: int, reps: int, rng: random.Random) -> dict:
-    n = max(1, batch_bytes // block_bytes)
-    pool = 2 * -(-n // 16) * 16 + 1  # room for twice the job in whole runs of 16
-    kv = torch.randint(0, 256, (pool, block_bytes), dtype=torch.uint8, device="cuda")
-    host = torch.empty(n * block_bytes, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(n * block_bytes, dtype=torch.uint8, device="cuda")
-    gpu, cpu = id_pattern(pattern, n, pool, rng), id_pattern(pattern, n, pool, rng)
-    gb = n * block_bytes / 1e9
+def contiguous_copy(nbytes: int, reps: int) -> tuple[float, float]:
+    """Seconds of a pinned-host <-> device copy_ of `nbytes` (d2h, h2d)."""
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
     d2h = best_gpu_seconds(reps, lambda: host.copy_(dev, non_blocking=True))
     h2d = best_gpu_seconds(reps, lambda: dev.copy_(host, non_blocking=True))
-    out: dict = {"pattern": pattern, "num_blocks": n, "d2h_copy_gbps": round(gb / d2h, 2),
-                 "h2d_copy_gbps": round(gb / h2d, 2)}
-    for policy in POLICIES:
-        out[policy] = bench_policy(kv, pool, policy, gpu, cpu, reps, d2h, h2d)
+    return d2h, h2d
+
+
+def sweep_size(segment: int, batch_bytes: int, reps: int, rng: random.Random) -> dict:
+    layers = num_layers(segment)
+    block = 2 * layers * segment
+    n = max(1, batch_bytes // block)
+    pool = POOL_FACTOR * -(-n // 16) * 16 + 1
+    d2h, h2d = contiguous_copy(n * block, reps)
+    gb = n * block / 1e9
+    out: dict = {"layers": layers, "block_bytes": block, "num_blocks": n, "pool_blocks": pool,
+                 "d2h_copy_gbps": round(gb / d2h, 2), "h2d_copy_gbps": round(gb / h2d, 2)}
+    ids = {p: (id_pattern(p, n, pool, rng), id_pattern(p, n, pool, rng)) for p in ("runs", "scattered")}
+    for layout in LAYOUTS:
+        kv = make_kv(layout, segment, layers, pool)
+        per_layout: dict = {}
+        for policy in POLICIES:
+            try:
+                worker = make_worker(kv, pool, pool, policy)
+            except Exception as exc:
+                per_layout[policy] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
+            jobs = Jobs(worker)
+            row: dict = {}
+            try:
+                for pattern, (gpu, cpu) in ids.items():
+                    store_s = best_gpu_seconds(reps, lambda j=jobs, g=gpu, c=cpu: j.store_step(g, c))
+                    load_s = best_gpu_seconds(reps, lambda j=jobs, g=gpu, c=cpu: j.load_step(g, c))
+                    row[pattern] = {"store_gbps": round(gb / store_s, 2), "load_gbps": round(gb / load_s, 2),
+                                    "store_vs_copy": round(d2h / store_s, 3), "load_vs_copy": round(h2d / load_s, 3)}
+                row.update(describe_backend(worker))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"
+            finally:
+                worker.shutdown()
+            per_layout[policy] = row
+        out[layout] = per_layout
+        del kv
+        torch.cuda.empty_cache()
     return out
 
 
-class _Matmuls:
+class Matmuls:
     """A bf16 matmul loop on the current (compute) stream, timed with CUDA events."""
 
     def __init__(self) -> None:
@@ -152,66 +214,238 @@ class _Matmuls:
         return start.elapsed_time(end) / 1e3
 
 
-def slowdown_policy(kv: torch.Tensor, pool: int, policy: str, store_ids: tuple[list[int], list[int]],
-                    load_ids: tuple[list[int], list[int]], mm: _Matmuls, one_matmul_s: float, reps: int) -> dict:
-    worker = make_worker(kv, pool, policy)
-    jobs = Jobs(worker)
-    jobs.store(*load_ids)  # the host blocks the loads read hold something
-    jobs.finish()
+SLOWDOWN_CASES = {  # name: (layout, policy, extra transfer keys)
+    "staged": ("layer_compact", "staged", {}),
+    "staged_8ctas": ("layer_compact", "staged", {"staging_max_sms": 8}),
+    "staged_32ctas": ("layer_compact", "staged", {"staging_max_sms": 32}),
+    "dma": ("layer_compact", "dma", {}),
+    "kernel": ("layer_compact", "kernel", {}),
+    "default": ("layer_compact", "default", {}),
+    "block_outermost_dma": ("block_outermost", "dma", {}),
+    "block_outermost_default": ("block_outermost", "default", {}),
+}
 
-    def copies() -> None:  # submitted before the matmuls: they start at once and overlap the whole loop
-        worker.begin_step()
-        jobs.store(*store_ids)
-        jobs.load(*load_ids)
 
-    def copies_waited() -> None:
-        copies()
-        jobs.finish()
-
-    copy_alone = best_gpu_seconds(reps, copies_waited)
-    k = max(1, round(copy_alone / one_matmul_s))
-    alone = together = copy_together = float("inf")
-    for _ in range(reps):
-        alone = min(alone, mm.seconds(k))
-        t0 = time.perf_counter()
-        copies()
-        start, end = mm.launch(k)
-        jobs.finish()
-        copy_together = min(copy_together, time.perf_counter() - t0)
-        end.synchronize()
-        together = min(together, start.elapsed_time(end) / 1e3)
-    out = {"matmuls": k, "matmul_alone_ms": round(alone * 1e3, 3), "matmul_with_copies_ms": round(together * 1e3, 3),
-           "matmul_slowdown": round(together / alone, 3), "copies_alone_ms": round(copy_alone * 1e3, 3),
-           "copies_with_matmul_ms": round(copy_together * 1e3, 3), "copy_slowdown": round(copy_together / copy_alone, 3),
-           "jobs_by_path": dict(worker.backend.num_jobs_by_path)}
-    worker.shutdown()
+def forward_slowdown(batch_bytes: int, reps: int, rng: random.Random, repeat: int = 16, rounds: int = 9) -> dict:
+    """How much a matmul loop on the compute stream slows while stores and loads of scattered 32 KiB
+    segments run (`repeat` jobs each way, submitted before the loop), per path: in `rounds` adjacent pairs
+    (the loop alone, then beside the copies), the median of the pairs' ratios (GPU clocks drift between
+    pairs, not within one)."""
+    segment = 32 << 10
+    layers = num_layers(segment)
+    block = 2 * layers * segment
+    n = max(1, batch_bytes // block)
+    pool = 2 * POOL_FACTOR * n + 1
+    gpu, cpu = rng.sample(range(1, pool), 2 * n), rng.sample(range(1, pool), 2 * n)
+    store_ids, load_ids = (gpu[:n], cpu[:n]), (gpu[n:], cpu[n:])  # disjoint on both tiers, as the scheduler keeps them
+    mm = Matmuls()
+    mm.seconds(200)  # warm-up: cuBLAS handle, kernel selection, clocks up
+    one_matmul_s = mm.seconds(20) / 20
+    out: dict = {"segment_bytes": segment, "layers": layers, "num_blocks": n, "jobs_each_way": repeat,
+                 "rounds": rounds, "matmul": f"{MATMUL_N}x{MATMUL_N} bf16", "one_matmul_ms": round(one_matmul_s * 1e3, 3)}
+    kvs = {layout: make_kv(layout, segment, layers, pool) for layout in LAYOUTS}
+    for name, (layout, policy, extra) in SLOWDOWN_CASES.items():
+        try:
+            out[name] = slowdown_case(kvs[layout], pool, policy, extra, store_ids, load_ids, mm, one_matmul_s,
+                                      rounds, repeat, n * block)
+        except Exception as exc:
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
 
 
-def forward_slowdown(batch_bytes: int, reps: int, rng: random.Random) -> dict:
-    """How much a matmul loop on the compute stream slows while a store and a load run, per policy."""
-    block_bytes = 16 << 10
-    n = max(1, batch_bytes // block_bytes)
-    pool = 4 * n + 1
-    kv = torch.randint(0, 256, (pool, block_bytes), dtype=torch.uint8, device="cuda")
-    gpu, cpu = rng.sample(range(1, pool), 2 * n), rng.sample(range(1, pool), 2 * n)
-    store_ids, load_ids = (gpu[:n], cpu[:n]), (gpu[n:], cpu[n:])  # disjoint on both tiers, as the scheduler keeps them
-    mm = _Matmuls()
-    mm.seconds(1)  # warm-up (cuBLAS handle, kernel selection)
-    one_matmul_s = mm.seconds(3) / 3
-    out: dict = {"block_bytes": block_bytes, "num_blocks": n, "matmul": f"{MATMUL_N}x{MATMUL_N} bf16",
-                 "one_matmul_ms": round(one_matmul_s * 1e3, 3)}
-    for policy in ("kernel", "dma"):
-        out[policy] = slowdown_policy(kv, pool, policy, store_ids, load_ids, mm, one_matmul_s, reps)
+def slowdown_case(kv: dict[str, torch.Tensor], pool: int, policy: str, extra: dict,
+                  store_ids: tuple[list[int], list[int]], load_ids: tuple[list[int], list[int]], mm: Matmuls,
+                  one_matmul_s: float, rounds: int, repeat: int, job_bytes: int) -> dict:
+    worker = make_worker(kv, pool, pool, policy, extra)
+    jobs = Jobs(worker)
+    try:
+        jobs.store(*load_ids)  # the host blocks the loads read hold something
+        jobs.finish()
+
+        def copies() -> None:
+            worker.begin_step()
+            for _ in range(repeat):
+                jobs.store(*store_ids)
+                jobs.load(*load_ids)
+
+        copies()
+        jobs.finish()
+        t0 = time.perf_counter()
+        copies()
+        submit_s = time.perf_counter() - t0
+        jobs.finish()
+        torch.cuda.synchronize()
+        copy_alone = time.perf_counter() - t0
+        # the loop starts once the copies are submitted and ends before they would end alone
+        k = max(4, round(0.8 * (copy_alone - submit_s) / one_matmul_s))
+        ratios, copy_ratio = [], []
+
+        def alone() -> float:
+            mm.launch(2)  # untimed: the clocks are up when the timed loop starts, as beside the copies
+            return mm.seconds(k)
+
+        def together() -> float:  # copies first: their fences precede the loop, which then runs beside them
+            t0 = time.perf_counter()
+            copies()
+            start, end = mm.launch(k)
+            jobs.finish()
+            copy_ratio.append((time.perf_counter() - t0) / copy_alone)
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+
+        for r in range(rounds):  # the pair's order alternates: drift within a pair cancels over the rounds
+            if r % 2 == 0:
+                a = alone()
+                ratios.append(together() / a)
+            else:
+                t = together()
+                ratios.append(t / alone())
+        gb = 2 * repeat * job_bytes / 1e9
+        return {"matmuls": k, "matmul_slowdown": round(statistics.median(ratios), 4),
+                "matmul_slowdown_range": [round(min(ratios), 4), round(max(ratios), 4)],
+                "copies_alone_ms": round(copy_alone * 1e3, 3), "copies_gbps_alone": round(gb / copy_alone, 2),
+                "submit_ms": round(submit_s * 1e3, 3), "copy_slowdown": round(statistics.median(copy_ratio), 3),
+                **describe_backend(worker)}
+    finally:
+        worker.shutdown()
+
+
+def submit_cost(reps: int, rng: random.Random) -> dict:
+    """Host time on the engine thread per `start_store` / `start_load` call of the default configuration,
+    Llama-8B-shaped layer-compact cache (32 layers, 32 KiB segments), 1 to 64 blocks: median of `reps`."""
+    segment, layers, blocks = 32 << 10, 32, 513
+    kv = make_kv("layer_compact", segment, layers, blocks)
+    out: dict = {}
+    for policy in ("default", "dma"):
+        worker = make_worker(kv, blocks, blocks, policy)
+        jobs, row = Jobs(worker), {}
+        try:
+            for n in (1, 8, 64):
+                store_us, load_us = [], []
+                for _ in range(reps):
+                    gpu, cpu = rng.sample(range(1, blocks), n), rng.sample(range(1, blocks), n)
+                    for kind, times in (("store", store_us), ("load", load_us)):
+                        worker.begin_step()
+                        t0 = time.perf_counter()
+                        getattr(jobs, kind)(gpu, cpu)
+                        times.append((time.perf_counter() - t0) * 1e6)
+                        jobs.finish()
+                row[str(n)] = {"store_us": round(statistics.median(store_us), 1),
+                               "load_us": round(statistics.median(load_us), 1)}
+            row["policy"] = worker.backend.policy.describe()
+        finally:
+            worker.shutdown()
+        out[policy] = row
+    return out
+
+
+def round_trip(rounds: int, seed: int) -> dict:
+    """Random jobs through the default configuration on a 32-layer Llama-8B-shaped cache, byte-checked."""
+    rng = random.Random(seed)
+    blocks, out = 512, {}
+    for layout in LAYOUTS:
+        kv = make_kv(layout, 0, 32, blocks, torch.bfloat16, (16, 8, 128))
+        dim = 1 if layout == "layer_compact" else 0  # the block dim of each layer's view
+
+        def gather(ids: list[int], kv=kv, dim=dim) -> list[torch.Tensor]:
+            index = torch.tensor(ids, device="cuda")
+            return [t.index_select(dim, index).movedim(dim, 0).reshape(len(ids), -1).view(torch.int16)
+                    for t in kv.values()]
+
+        worker = make_worker(kv, blocks, blocks, "default")
+        jobs, checked, wrong = Jobs(worker), 0, 0
+        try:
+            for _ in range(rounds):
+                n = rng.randint(1, 64)
+                gpu, targets = rng.sample(range(1, blocks), n), rng.sample(range(1, blocks), n)
+                cpu = rng.sample(range(1, blocks), n)
+                before = gather(gpu)
+                jobs.store_step(gpu, cpu)
+                for t in kv.values():  # clobber every block: each bf16 changes sign (randn has no zeros)
+                    t.neg_()
+                jobs.load_step(targets, cpu)
+                after = gather(targets)
+                bad = torch.zeros(n, dtype=torch.bool, device="cuda")
+                for a, b in zip(after, before, strict=True):
+                    bad |= (a != b).any(dim=1)
+                checked += n
+                wrong += int(bad.sum())
+            out[layout] = {"rounds": rounds, "blocks_checked": checked, "blocks_wrong": wrong,
+                           **describe_backend(worker)}
+        finally:
+            worker.shutdown()
+        del kv
+        torch.cuda.empty_cache()
+    return out
+
+
+def dma_pieces(batch_bytes: int, reps: int, rng: random.Random) -> dict:
+    """One batched DMA call of scattered pieces, on one stream and split over two, against copy_."""
+    from worker_side.backends.cuda.runtime import TorchCudaRuntime
+
+    rt = TorchCudaRuntime()
+    pool_bytes = POOL_FACTOR * batch_bytes
+    host = torch.empty(pool_bytes, dtype=torch.uint8).pin_memory()
+    dev = torch.randint(0, 256, (pool_bytes,), dtype=torch.uint8, device="cuda")
+    streams = [rt.create_stream(low_priority=False) for _ in range(2)]
+    d2h, h2d = contiguous_copy(batch_bytes, reps)
+    out: dict = {"d2h_copy_gbps": round(batch_bytes / d2h / 1e9, 2), "h2d_copy_gbps": round(batch_bytes / h2d / 1e9, 2)}
+    for piece in (64 << 10, 256 << 10, 1 << 20, 2 << 20, 4 << 20, 16 << 20):
+        n = batch_bytes // piece
+        slots = pool_bytes // piece
+        hs = np.array(rng.sample(range(slots), n), np.int64) * piece + host.data_ptr()
+        ds = np.array(rng.sample(range(slots), n), np.int64) * piece + dev.data_ptr()
+        sizes = np.full(n, piece, np.int64)
+        row = {}
+        for name, split in (("one_stream", 1), ("two_streams", 2)):
+            for kind, (dst, src) in (("d2h", (hs, ds)), ("h2d", (ds, hs))):
+                def run(dst=dst, src=src, split=split, n=n, sizes=sizes) -> None:
+                    for i in range(split):
+                        sl = slice(i * n // split, (i + 1) * n // split)
+                        rt.memcpy_batch(dst[sl], src[sl], sizes[sl], streams[i])
+                s = best_gpu_seconds(reps, run)
+                row[f"{kind}_{name}_vs_copy"] = round((d2h if kind == "d2h" else h2d) / s, 3)
+        out[f"{piece >> 10}KiB"] = row
+    return out
+
+
+def section(fn: Callable[[], dict]) -> dict:
+    try:
+        return fn()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+
+
+def summarize(sweep: dict) -> dict:
+    """The smallest default-vs-copy ratio over sizes, layouts and directions, scattered ids (and runs)."""
+    out = {}
+    for pattern in ("scattered", "runs"):
+        ratios = []
+        for name, row in sweep.items():
+            for layout in LAYOUTS:
+                r = row.get(layout, {}).get("default", {}).get(pattern)
+                if r:
+                    ratios += [(r["store_vs_copy"], f"{name} {layout} store"), (r["load_vs_copy"], f"{name} {layout} load")]
+        if ratios:
+            out[f"min_default_vs_copy_{pattern}"] = min(ratios)
     return out
 
 
 def bench_cuda(batch_bytes: int, reps: int, seed: int) -> dict:
     rng = random.Random(seed)
-    sizes = {name: bench_size(block_bytes, pattern, batch_bytes, reps, rng)
-             for name, (block_bytes, pattern) in GPU_SIZES.items()}
+    t0 = time.perf_counter()
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return {"backend": "cuda", "device": torch.cuda.get_device_name(), "sms": props.multi_processor_count,
-            "date": time.strftime("%Y-%m-%d", time.gmtime()), "torch": torch.__version__,
-            "torch_cuda": torch.version.cuda, "batch_mib": batch_bytes >> 20, "reps": reps, "sizes": sizes,
-            "forward_slowdown": forward_slowdown(batch_bytes, reps, rng)}
+    result: dict = {"backend": "cuda", "device": torch.cuda.get_device_name(), "sms": props.multi_processor_count,
+                    "date": time.strftime("%Y-%m-%d", time.gmtime()), "torch": torch.__version__,
+                    "torch_cuda": torch.version.cuda, "batch_mib": batch_bytes >> 20, "reps": reps}
+    result["dma_pieces"] = section(lambda: dma_pieces(batch_bytes, reps, rng))
+    sweep = {}
+    for name, segment in SEGMENTS.items():
+        sweep[name] = section(lambda segment=segment: sweep_size(segment, batch_bytes, reps, rng))
+    result["sweep"] = sweep
+    result["summary"] = summarize(sweep)
+    result["forward_slowdown"] = section(lambda: forward_slowdown(batch_bytes, reps, rng))
+    result["submit_us"] = section(lambda: submit_cost(9, rng))
+    result["round_trip"] = section(lambda: round_trip(40, seed))
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    return result
