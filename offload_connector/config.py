@@ -14,8 +14,10 @@ This module imports nothing from the project and no torch.
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Mapping
+import typing
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -33,12 +35,38 @@ NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class ConfigError(ValueError):
-    """Invalid configuration: the message names the key, the bad value and what is allowed."""
+    """Invalid configuration: the message names the key, the bad value as the user wrote it, what is allowed
+    and, once the caller knows it (`located`, `locate`), where the key was set."""
 
-    def __init__(self, key: str, value: Any, allowed: str, detail: str = "") -> None:
-        self.key, self.value, self.allowed = key, value, allowed
-        msg = f"invalid config key '{key}': got {value!r}; allowed: {allowed}"
-        super().__init__(msg + (f" ({detail})" if detail else ""))
+    def __init__(self, key: str, value: Any, allowed: str, detail: str = "", *, where: str = "",
+                 guess: str = "") -> None:
+        self.key, self.value, self.allowed, self.detail, self.where, self.guess = key, value, allowed, detail, where, guess
+        notes = "; ".join(n for n in (detail, f"did you mean {guess}?" if guess else "") if n)
+        super().__init__(f"invalid config key '{key}': got {value!r}; allowed: {allowed}"
+                         + (f" ({notes})" if notes else "") + (f" ({where})" if where else ""))
+
+    def located(self, where: str) -> ConfigError:
+        """The same error saying `where` ("in /abs/offload.yaml", "in kv_connector_extra_config", ...); an
+        error that already says where is returned as it is."""
+        if self.where:
+            return self
+        return ConfigError(self.key, self.value, self.allowed, self.detail, where=where, guess=self.guess)
+
+
+class Size(int):
+    """A size in bytes that remembers how it was written (`8`, `"8B"`, `"64MiB"`): messages echo that."""
+
+    written: int | str
+
+    def __new__(cls, size: int, written: int | str) -> Size:
+        out = super().__new__(cls, size)
+        out.written = written
+        return out
+
+
+def written(size: int | str) -> int | str:
+    """What the user wrote for a size (a `Size`), or the value itself."""
+    return size.written if isinstance(size, Size) else size
 
 
 class TransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -96,17 +124,20 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     disk: DiskConfig | None = None  # a local directory under the CPU tier (disk/config.py); None: off
 
 
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE | re.ASCII)
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+)?\s*$", re.ASCII)
 MAX_SIZE = 1 << 60  # 1 EiB: anything larger is a typo, not a machine
-_UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+# The units docs/configuration.md documents, in its case: "64mb" or "8gib" is refused, never guessed.
+SIZE_UNITS = {
+    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
 }
-SIZE_ALLOWED = 'a positive int (bytes) or a string like "512MiB", "8GiB", "8GB"'
+SIZE_ALLOWED = ('a positive int (bytes) or a number with a unit, written in this case: B, KB, MB, GB, TB (powers of 10) '
+                'or KiB, MiB, GiB, TiB (powers of 2), e.g. "512MiB", "8GiB", "1.5GiB"')
 
 
-def parse_size(key: str, value: int | str) -> int:
-    """Parse a size (int bytes or "8GiB"-style string) into a positive int, or raise ConfigError."""
+def parse_size(key: str, value: int | str) -> Size:
+    """Parse a size (int bytes, or a number and one of `SIZE_UNITS` as documented) into a positive `Size`
+    that remembers `value`, or raise ConfigError echoing `value`."""
     if isinstance(value, bool):
         raise ConfigError(key, value, SIZE_ALLOWED)
     if isinstance(value, int):
@@ -115,15 +146,27 @@ def parse_size(key: str, value: int | str) -> int:
         m = _SIZE_RE.match(value)
         if m is None:
             raise ConfigError(key, value, SIZE_ALLOWED, "malformed size string")
+        unit = m.group(2) or "B"
+        if unit not in SIZE_UNITS:
+            raise ConfigError(key, value, SIZE_ALLOWED, f"unknown unit {unit!r}", guess=_unit_guess(m.group(1), unit))
         number = float(m.group(1))
-        if number * _UNITS[(m.group(2) or "B").lower()] > MAX_SIZE:  # float: inf for absurd digit strings
+        if number * SIZE_UNITS[unit] > MAX_SIZE:  # float: inf for absurd digit strings
             raise ConfigError(key, value, SIZE_ALLOWED + " up to 1 EiB", "size too large")
-        size = int(number * _UNITS[(m.group(2) or "B").lower()])
+        size = int(number * SIZE_UNITS[unit])
     if size <= 0:
         raise ConfigError(key, value, SIZE_ALLOWED, "size must be positive")
     if size > MAX_SIZE:
         raise ConfigError(key, value, SIZE_ALLOWED + " up to 1 EiB", "size too large")
-    return size
+    return Size(size, value)
+
+
+def _unit_guess(number: str, unit: str) -> str:
+    """The documented units `unit` differs from only in case, an "i" or a "B" ("mb", "G"), as '64MiB' or '64MB'."""
+    def fold(u: str) -> str:
+        return u.lower().replace("i", "").removesuffix("b")
+
+    close = [u for u in SIZE_UNITS if fold(u) == fold(unit) and u != "B"]
+    return " or ".join(repr(f"{number}{u}") for u in sorted(close, key=lambda u: "i" not in u))
 
 
 _AT_RE = re.compile(r" - at `\$(.*)`$")
@@ -136,15 +179,51 @@ def _translate(err: msgspec.ValidationError, data: Mapping[str, Any]) -> ConfigE
     path = [p for p in (m.group(1) if m else "").split(".") if p]
     unknown = _UNKNOWN_RE.search(text)
     if unknown:
-        owner = struct_in(resolve_field(OffloadConfig, path)[1]) if path else OffloadConfig
-        key = ".".join(path + [unknown.group(1)])
-        known = list(owner.__struct_fields__) + ([f"{a} (alias of {k})" for a, k in ALIASES.items()]
-                                                 if owner is OffloadConfig else [])
-        return ConfigError(key, lookup(data, path + [unknown.group(1)]), f"known keys here: {', '.join(known)}",
-                           "unknown key")
+        return _unknown_key(path, unknown.group(1), lookup(data, path + [unknown.group(1)]))
     _, annotation = resolve_field(OffloadConfig, path)
     key = ".".join(path) or "<root>"
-    return ConfigError(key, lookup(data, path), describe(annotation), _AT_RE.sub("", text))
+    value = lookup(data, path)
+    guess = ""
+    if typing.get_origin(annotation) is Literal and isinstance(value, str):
+        allowed = {str(a).lower(): str(a) for a in typing.get_args(annotation)}
+        close = difflib.get_close_matches(value.lower(), list(allowed), n=1, cutoff=0.6)
+        guess = repr(allowed[close[0]]) if close else ""
+    return ConfigError(key, value, describe(annotation), _AT_RE.sub("", text), guess=guess)
+
+
+# Keys of vLLM's own CPU offload (its --kv-offloading-* flags and OffloadingConnector's extra config) that
+# users bring over, and what this connector takes instead.
+VLLM_OPTION_KEYS = {
+    "kv_offloading_size": 'cpu_bytes, a size such as "8GiB" (vLLM\'s --kv-offloading-size is a number of GiB)',
+    "kv_offloading_backend": "no such key: OffloadConnector is the CPU offload (leave vLLM's --kv-offloading-backend out)",
+    "eviction_policy": "eviction: 'lru' | 'arc'",
+    "store_threshold": "store_policy: 'lazy' | 'eager'",
+    "block_size": "no such key: a CPU block is one vLLM block (vLLM's --block-size)",
+    "spec_name": "no such key: it picks a spec of vLLM's own OffloadingConnector",
+    "spec_module_path": "no such key: it picks a spec of vLLM's own OffloadingConnector",
+}
+FAKE_ENGINE_KEYS = ("hash_algo", "engine")  # read by the fake engine (replay, tests) only; ignored under vLLM
+
+
+def _unknown_key(path: list[str], name: str, value: Any) -> ConfigError:
+    """An unknown key: vLLM's name for one of ours, a near miss of a known key, or the keys known there."""
+    owner = struct_in(resolve_field(OffloadConfig, path)[1]) if path else OffloadConfig
+    key = ".".join(path + [name])
+    top = owner is OffloadConfig
+    vllm_name = name.replace("-", "_")
+    if top and vllm_name in VLLM_OPTION_KEYS:
+        gib = vllm_name == "kv_offloading_size" and isinstance(value, int | float) and not isinstance(value, bool)
+        return ConfigError(key, value, VLLM_OPTION_KEYS[vllm_name],
+                           f"{name} is an option of vLLM's own CPU offload, not of OffloadConnector",
+                           guess=f"cpu_bytes: {value:g}GiB" if gib and value > 0 else "")
+    fields = list(owner.__struct_fields__)
+    known = [f for f in fields if not (top and f in FAKE_ENGINE_KEYS)]
+    allowed = f"known keys here: {', '.join(known)}"
+    if top:
+        allowed += (f"; for the fake engine only (ignored under vLLM): {', '.join(FAKE_ENGINE_KEYS)}; "
+                    + ", ".join(f"{a} (alias of {k})" for a, k in ALIASES.items()))
+    close = difflib.get_close_matches(name, fields + (list(ALIASES) if top else []), n=1, cutoff=0.6)
+    return ConfigError(key, value, allowed, "unknown key", guess=repr(close[0]) if close else "")
 
 
 def _validate(cfg: OffloadConfig) -> OffloadConfig:
@@ -273,9 +352,18 @@ def load_config(path_or_dict: str | Path | Mapping[str, Any] | None = None, *, n
 
     Keys missing from the input take the documented defaults; an unset `store_policy` is `eager` for a
     model of `num_kv_groups` > 1 KV-cache groups (or the fake engine's `engine.sliding_window`: two), else
-    `lazy`. Raises ConfigError on any bad input.
+    `lazy`. Raises ConfigError on any bad input; read from a file, the error says so (`locate`).
     """
     data: Any = config_source_dict(path_or_dict)
+    if not isinstance(path_or_dict, str | Path):
+        return _load(data, num_kv_groups)
+    try:
+        return _load(data, num_kv_groups)
+    except ConfigError as err:
+        raise locate(err, [(_resolved(Path(path_or_dict)), data)]) from None
+
+
+def _load(data: Any, num_kv_groups: int) -> OffloadConfig:
     if not isinstance(data, Mapping):
         raise ConfigError("<root>", data, "a mapping of config keys")
     _check_keys(data)
@@ -289,6 +377,27 @@ def load_config(path_or_dict: str | Path | Mapping[str, Any] | None = None, *, n
     except msgspec.ValidationError as err:
         raise _translate(err, data) from None
     return _validate(cfg)
+
+
+def locate(err: ConfigError, sources: Sequence[tuple[str, Mapping[str, Any]]]) -> ConfigError:
+    """`err` saying where its key was set: the first of `sources` ((name, raw mapping), highest priority
+    first) that sets the key or its alias, else that the key was left at its default."""
+    names = [err.key] + [alias for alias, key in ALIASES.items() if key == err.key]
+    for where, data in sources:
+        if any(sets(data, name) for name in names):
+            return err.located(f"in {where}")
+    if err.key in OffloadConfig.__struct_fields__ or "." in err.key:
+        return err.located(f"not set in {' or '.join(w for w, _ in sources)}: the default")
+    return err.located(f"in {sources[0][0]}") if sources else err
+
+
+def sets(data: Any, dotted_key: str) -> bool:
+    """Whether the mapping `data` itself sets the (dotted) key, e.g. `transfer.num_streams`."""
+    for name in dotted_key.split("."):
+        if not isinstance(data, Mapping) or name not in data:
+            return False
+        data = data[name]
+    return True
 
 
 def merge_configs(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
