@@ -150,7 +150,9 @@ def test_a_config_file_keeps_the_bundled_sizes_unless_it_sets_them(tmp_path, cap
     path.write_text("store_policy: lazy\neviction: arc\n")
     out = run_json(capsys, "--config", str(path), "--limit", "50")
     assert (out["gpu_blocks"], out["cpu_blocks"]) == (2196, 4392) and out["store_policy"] == "lazy"
-    assert "bundled trace's default" in out["sizes_from"]["gpu_blocks"]
+    # Issue 41: each pool's own share ("5% / 10%" on both read as if each pool were both).
+    assert out["sizes_from"] == {"gpu_blocks": "the bundled trace's default (5% of its distinct blocks)",
+                                 "cpu_blocks": "the bundled trace's default (10% of its distinct blocks)"}
     path.write_text("num_cpu_blocks: 999\n")
     out = run_json(capsys, "--config", str(path), "--limit", "50", "--gpu-blocks", "3000")
     assert (out["gpu_blocks"], out["cpu_blocks"]) == (3000, 999)
