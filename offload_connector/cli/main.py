@@ -4,7 +4,7 @@
   transfers, integrity errors and leaks. Exit status 0 on a clean run, 1 if the replay found integrity
   errors or leaked blocks.
 - `check CONFIG [--model-config config.json] [--tp N] [--block-size N]`: validate a config and print what
-  it gives per rank for that model (config_check.py). Exit status 0 when valid.
+  it gives per rank for that model (check.py). Exit status 0 when valid.
 
 Both: exit status 2 with one `error:` line on stderr on bad input (config, model config, trace, flags) or a
 missing optional dependency, found before any work starts.
