@@ -113,6 +113,17 @@ def test_default_replay_shows_cpu_hits(capsys: pytest.CaptureFixture[str]) -> No
     assert out["integrity_errors"] == 0 and out["leaked_blocks"] == 0
 
 
+def test_the_readme_shows_what_the_default_replay_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 41: the README (and the docs) printed 31.7% / 17.5% while the replay gave 31.8% / 17.6%. Every
+    line the README shows of `offload-connector replay` is a line the replay prints."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("$ offload-connector replay\n", 1)[1].split("```", 1)[0]
+    shown = [line for line in block.splitlines() if line.strip() not in ("", "...")]
+    assert main(["replay", "--quiet"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert len(shown) >= 6 and [line for line in shown if line not in printed] == []
+
+
 def test_eager_with_room_to_spare_loses_no_evicted_block() -> None:
     """Eager stores every computed block before the GPU can evict it: with a CPU tier that never fills, no
     evicted GPU block is lost from both tiers (the measure lazy is judged by)."""

@@ -14,14 +14,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from scripts.dashboard_snapshot import free_port, wait_http  # the server helpers of the dashboard's run
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -61,12 +60,6 @@ def user_env() -> dict[str, str]:
     return env
 
 
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def bash(script: str, env: dict[str, str]) -> str:
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -86,12 +79,15 @@ def test_the_documented_server_run_prints_the_documented_figures(tmp_path: Path)
     capacity, capacity_out = block_after(blocks, "bash", "cpu_capacity")
     requests, requests_out = block_after(blocks, "bash", "req 1; req 2; req 3; req 1")
     assert DOC_PORT in server and capacity_out and requests_out
-    port, env = free_port(), user_env()
+    port, env = str(free_port()), user_env()
     log = (tmp_path / "server.log").open("w")
     proc = subprocess.Popen(["bash", "-c", server.replace(DOC_PORT, port)], cwd=ROOT, env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}/health", proc, tmp_path / "server.log")
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", START_TIMEOUT_S, proc)
+        except (RuntimeError, TimeoutError) as err:
+            raise AssertionError(f"{err}:\n{(tmp_path / 'server.log').read_text()[-4000:]}") from None
         # 1. Before any request: the capacity from the first scrape (it read 0 until the first request).
         assert bash(capacity.replace(DOC_PORT, port), env) == capacity_out
         # 2. The four requests, then the hit figures.
@@ -104,19 +100,6 @@ def test_the_documented_server_run_prints_the_documented_figures(tmp_path: Path)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the server exited ({proc.returncode}):\n{log.read_text()[-4000:]}")
-        try:
-            urllib.request.urlopen(url, timeout=2).read()
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"no answer from {url} within {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
 
 
 def test_the_documented_llm_script_prints_the_documented_figures(tmp_path: Path) -> None:
