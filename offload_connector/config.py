@@ -1,15 +1,16 @@
 """Typed configuration: the one place user input is validated.
 
 `load_config(path_or_dict)` is the only entry point. It accepts a YAML file path, a YAML string's parsed
-dict, or `None` (the embedded default). Every invalid input raises `ConfigError` *before* anything is
-allocated, naming the key, the bad value and what is allowed. After loading, `cpu_bytes` is always an int.
+dict, or `None` (the embedded default). Every invalid input raises `ConfigError` (config_errors.py)
+*before* anything is allocated, naming the key, the bad value and what is allowed, and, read from a file,
+the file. After loading, `cpu_bytes` is always an int (a `Size`, sizes.py: it remembers how it was written).
 
 Invariants of a loaded `OffloadConfig`:
 - every int field is within its documented range (see docs/configuration.md);
 - `cpu_bytes` > 0 (bytes); `num_cpu_blocks`, when set, is >= 2 (block 0 is the reserved null block);
 - unknown keys never survive (msgspec `forbid_unknown_fields`).
 
-This module imports nothing from the project and no torch.
+This module imports only the project's config leaves (errors, sizes, schema, the tiers' sections), no torch.
 """
 
 from __future__ import annotations
@@ -25,48 +26,16 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from offload_connector.config_errors import ConfigError
+from offload_connector.config_errors import locate as locate_key
 from offload_connector.config_schema import describe, lookup, resolve_field, struct_in
 from offload_connector.disk.config import DiskConfig, validate_disk
 from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.remote.config import RemoteConfig, check_remote
+from offload_connector.sizes import parse_size
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
-
-
-class ConfigError(ValueError):
-    """Invalid configuration: the message names the key, the bad value as the user wrote it, what is allowed
-    and, once the caller knows it (`located`, `locate`), where the key was set."""
-
-    def __init__(self, key: str, value: Any, allowed: str, detail: str = "", *, where: str = "",
-                 guess: str = "") -> None:
-        self.key, self.value, self.allowed, self.detail, self.where, self.guess = key, value, allowed, detail, where, guess
-        notes = "; ".join(n for n in (detail, f"did you mean {guess}?" if guess else "") if n)
-        super().__init__(f"invalid config key '{key}': got {value!r}; allowed: {allowed}"
-                         + (f" ({notes})" if notes else "") + (f" ({where})" if where else ""))
-
-    def located(self, where: str) -> ConfigError:
-        """The same error saying `where` ("in /abs/offload.yaml", "in kv_connector_extra_config", ...); an
-        error that already says where is returned as it is."""
-        if self.where:
-            return self
-        return ConfigError(self.key, self.value, self.allowed, self.detail, where=where, guess=self.guess)
-
-
-class Size(int):
-    """A size in bytes that remembers how it was written (`8`, `"8B"`, `"64MiB"`): messages echo that."""
-
-    written: int | str
-
-    def __new__(cls, size: int, written: int | str) -> Size:
-        out = super().__new__(cls, size)
-        out.written = written
-        return out
-
-
-def written(size: int | str) -> int | str:
-    """What the user wrote for a size (a `Size`), or the value itself."""
-    return size.written if isinstance(size, Size) else size
 
 
 class TransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -122,51 +91,6 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     remote: RemoteConfig | None = None  # a shared tier under the CPU tier (remote/config.py); None: off
     disk: DiskConfig | None = None  # a local directory under the CPU tier (disk/config.py); None: off
-
-
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]+)?\s*$", re.ASCII)
-MAX_SIZE = 1 << 60  # 1 EiB: anything larger is a typo, not a machine
-# The units docs/configuration.md documents, in its case: "64mb" or "8gib" is refused, never guessed.
-SIZE_UNITS = {
-    "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40,
-}
-SIZE_ALLOWED = ('a positive int (bytes) or a number with a unit, written in this case: B, KB, MB, GB, TB (powers of 10) '
-                'or KiB, MiB, GiB, TiB (powers of 2), e.g. "512MiB", "8GiB", "1.5GiB"')
-
-
-def parse_size(key: str, value: int | str) -> Size:
-    """Parse a size (int bytes, or a number and one of `SIZE_UNITS` as documented) into a positive `Size`
-    that remembers `value`, or raise ConfigError echoing `value`."""
-    if isinstance(value, bool):
-        raise ConfigError(key, value, SIZE_ALLOWED)
-    if isinstance(value, int):
-        size = value
-    else:
-        m = _SIZE_RE.match(value)
-        if m is None:
-            raise ConfigError(key, value, SIZE_ALLOWED, "malformed size string")
-        unit = m.group(2) or "B"
-        if unit not in SIZE_UNITS:
-            raise ConfigError(key, value, SIZE_ALLOWED, f"unknown unit {unit!r}", guess=_unit_guess(m.group(1), unit))
-        number = float(m.group(1))
-        if number * SIZE_UNITS[unit] > MAX_SIZE:  # float: inf for absurd digit strings
-            raise ConfigError(key, value, SIZE_ALLOWED + " up to 1 EiB", "size too large")
-        size = int(number * SIZE_UNITS[unit])
-    if size <= 0:
-        raise ConfigError(key, value, SIZE_ALLOWED, "size must be positive")
-    if size > MAX_SIZE:
-        raise ConfigError(key, value, SIZE_ALLOWED + " up to 1 EiB", "size too large")
-    return Size(size, value)
-
-
-def _unit_guess(number: str, unit: str) -> str:
-    """The documented units `unit` differs from only in case, an "i" or a "B" ("mb", "G"), as '64MiB' or '64MB'."""
-    def fold(u: str) -> str:
-        return u.lower().replace("i", "").removesuffix("b")
-
-    close = [u for u in SIZE_UNITS if fold(u) == fold(unit) and u != "B"]
-    return " or ".join(repr(f"{number}{u}") for u in sorted(close, key=lambda u: "i" not in u))
 
 
 _AT_RE = re.compile(r" - at `\$(.*)`$")
@@ -380,24 +304,8 @@ def _load(data: Any, num_kv_groups: int) -> OffloadConfig:
 
 
 def locate(err: ConfigError, sources: Sequence[tuple[str, Mapping[str, Any]]]) -> ConfigError:
-    """`err` saying where its key was set: the first of `sources` ((name, raw mapping), highest priority
-    first) that sets the key or its alias, else that the key was left at its default."""
-    names = [err.key] + [alias for alias, key in ALIASES.items() if key == err.key]
-    for where, data in sources:
-        if any(sets(data, name) for name in names):
-            return err.located(f"in {where}")
-    if err.key in OffloadConfig.__struct_fields__ or "." in err.key:
-        return err.located(f"not set in {' or '.join(w for w, _ in sources)}: the default")
-    return err.located(f"in {sources[0][0]}") if sources else err
-
-
-def sets(data: Any, dotted_key: str) -> bool:
-    """Whether the mapping `data` itself sets the (dotted) key, e.g. `transfer.num_streams`."""
-    for name in dotted_key.split("."):
-        if not isinstance(data, Mapping) or name not in data:
-            return False
-        data = data[name]
-    return True
+    """`config_errors.locate` knowing our key aliases (vLLM's `cpu_bytes_to_use` sets `cpu_bytes`)."""
+    return locate_key(err, sources, ALIASES)
 
 
 def merge_configs(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from offload_connector.config import ConfigError, OffloadConfig, written
+from offload_connector.config import ConfigError, OffloadConfig
+from offload_connector.sizes import written
 
 MEMINFO = "/proc/meminfo"
 SHM_DIR = "/dev/shm"  # where a pool shared by several ranks' processes lives (worker_side/shared_pool.py)

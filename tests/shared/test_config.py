@@ -2,7 +2,8 @@
 
 import pytest
 
-from offload_connector.config import ConfigError, load_config, locate, merge_configs, written
+from offload_connector.config import ConfigError, load_config, locate, merge_configs
+from offload_connector.sizes import written
 from offload_connector.sizing import num_cpu_blocks
 
 
