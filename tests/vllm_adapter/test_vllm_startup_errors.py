@@ -208,7 +208,7 @@ def test_llm_prints_one_short_traceback_ending_in_the_error() -> None:
     out = _run([sys.executable, "-c", script])
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 1 and out.stderr.count("Traceback") == 1
-    assert re.fullmatch(r"offload_connector\.config\.ConfigError: invalid config key 'cpu_bytes': got 8; .*"
+    assert re.fullmatch(r"offload_connector\.config_errors\.ConfigError: invalid config key 'cpu_bytes': got 8; .*"
                         r"did you mean 8GiB\?\) \(in kv_connector_extra_config\)", lines[-1])
     traceback = lines[next(i for i, line in enumerate(lines) if line.startswith("Traceback")):]
     assert len(traceback) <= 12  # the caller's frames and the message
