@@ -1,21 +1,24 @@
 """Typed configuration: the one place user input is validated.
 
 `load_config(path_or_dict)` is the only entry point. It accepts a YAML file path, a YAML string's parsed
-dict, or `None` (the embedded default). Every invalid input raises `ConfigError` *before* anything is
-allocated, naming the key, the bad value and what is allowed. After loading, `cpu_bytes` is always an int.
+dict, or `None` (the embedded default). Every invalid input raises `ConfigError` (config_errors.py)
+*before* anything is allocated, naming the key, the bad value and what is allowed, and, read from a file,
+the file. After loading, `cpu_bytes` is always an int (a `Size`, sizes.py: it remembers how it was written).
 
 Invariants of a loaded `OffloadConfig`:
 - every int field is within its documented range (see docs/configuration.md);
 - `cpu_bytes` > 0 (bytes); `num_cpu_blocks`, when set, is >= 2 (block 0 is the reserved null block);
 - unknown keys never survive (msgspec `forbid_unknown_fields`).
 
-This module imports nothing from the project and no torch.
+This module imports only the project's config leaves (errors, sizes, schema, the tiers' sections), no torch.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Mapping
+import typing
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -23,22 +26,16 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from offload_connector.config_errors import ConfigError
+from offload_connector.config_errors import locate as locate_key
 from offload_connector.config_schema import describe, lookup, resolve_field, struct_in
 from offload_connector.disk.config import DiskConfig, validate_disk
 from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.remote.config import RemoteConfig, check_remote
+from offload_connector.sizes import parse_size
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
-
-
-class ConfigError(ValueError):
-    """Invalid configuration: the message names the key, the bad value and what is allowed."""
-
-    def __init__(self, key: str, value: Any, allowed: str, detail: str = "") -> None:
-        self.key, self.value, self.allowed = key, value, allowed
-        msg = f"invalid config key '{key}': got {value!r}; allowed: {allowed}"
-        super().__init__(msg + (f" ({detail})" if detail else ""))
 
 
 class TransferConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -104,36 +101,6 @@ class OffloadConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     disk: DiskConfig | None = None  # a local directory under the CPU tier (disk/config.py); None: off
 
 
-_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE | re.ASCII)
-MAX_SIZE = 1 << 60  # 1 EiB: anything larger is a typo, not a machine
-_UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-SIZE_ALLOWED = 'a positive int (bytes) or a string like "512MiB", "8GiB", "8GB"'
-
-
-def parse_size(key: str, value: int | str) -> int:
-    """Parse a size (int bytes or "8GiB"-style string) into a positive int, or raise ConfigError."""
-    if isinstance(value, bool):
-        raise ConfigError(key, value, SIZE_ALLOWED)
-    if isinstance(value, int):
-        size = value
-    else:
-        m = _SIZE_RE.match(value)
-        if m is None:
-            raise ConfigError(key, value, SIZE_ALLOWED, "malformed size string")
-        number = float(m.group(1))
-        if number * _UNITS[(m.group(2) or "B").lower()] > MAX_SIZE:  # float: inf for absurd digit strings
-            raise ConfigError(key, value, SIZE_ALLOWED + " up to 1 EiB", "size too large")
-        size = int(number * _UNITS[(m.group(2) or "B").lower()])
-    if size <= 0:
-        raise ConfigError(key, value, SIZE_ALLOWED, "size must be positive")
-    if size > MAX_SIZE:
-        raise ConfigError(key, value, SIZE_ALLOWED + " up to 1 EiB", "size too large")
-    return size
-
-
 _AT_RE = re.compile(r" - at `\$(.*)`$")
 _UNKNOWN_RE = re.compile(r"Object contains unknown field `([^`]*)`")
 
@@ -144,15 +111,51 @@ def _translate(err: msgspec.ValidationError, data: Mapping[str, Any]) -> ConfigE
     path = [p for p in (m.group(1) if m else "").split(".") if p]
     unknown = _UNKNOWN_RE.search(text)
     if unknown:
-        owner = struct_in(resolve_field(OffloadConfig, path)[1]) if path else OffloadConfig
-        key = ".".join(path + [unknown.group(1)])
-        known = list(owner.__struct_fields__) + ([f"{a} (alias of {k})" for a, k in ALIASES.items()]
-                                                 if owner is OffloadConfig else [])
-        return ConfigError(key, lookup(data, path + [unknown.group(1)]), f"known keys here: {', '.join(known)}",
-                           "unknown key")
+        return _unknown_key(path, unknown.group(1), lookup(data, path + [unknown.group(1)]))
     _, annotation = resolve_field(OffloadConfig, path)
     key = ".".join(path) or "<root>"
-    return ConfigError(key, lookup(data, path), describe(annotation), _AT_RE.sub("", text))
+    value = lookup(data, path)
+    guess = ""
+    if typing.get_origin(annotation) is Literal and isinstance(value, str):
+        allowed = {str(a).lower(): str(a) for a in typing.get_args(annotation)}
+        close = difflib.get_close_matches(value.lower(), list(allowed), n=1, cutoff=0.6)
+        guess = repr(allowed[close[0]]) if close else ""
+    return ConfigError(key, value, describe(annotation), _AT_RE.sub("", text), guess=guess)
+
+
+# Keys of vLLM's own CPU offload (its --kv-offloading-* flags and OffloadingConnector's extra config) that
+# users bring over, and what this connector takes instead.
+VLLM_OPTION_KEYS = {
+    "kv_offloading_size": 'cpu_bytes, a size such as "8GiB" (vLLM\'s --kv-offloading-size is a number of GiB)',
+    "kv_offloading_backend": "no such key: OffloadConnector is the CPU offload (leave vLLM's --kv-offloading-backend out)",
+    "eviction_policy": "eviction: 'lru' | 'arc'",
+    "store_threshold": "store_policy: 'lazy' | 'eager'",
+    "block_size": "no such key: a CPU block is one vLLM block (vLLM's --block-size)",
+    "spec_name": "no such key: it picks a spec of vLLM's own OffloadingConnector",
+    "spec_module_path": "no such key: it picks a spec of vLLM's own OffloadingConnector",
+}
+FAKE_ENGINE_KEYS = ("hash_algo", "engine")  # read by the fake engine (replay, tests) only; ignored under vLLM
+
+
+def _unknown_key(path: list[str], name: str, value: Any) -> ConfigError:
+    """An unknown key: vLLM's name for one of ours, a near miss of a known key, or the keys known there."""
+    owner = struct_in(resolve_field(OffloadConfig, path)[1]) if path else OffloadConfig
+    key = ".".join(path + [name])
+    top = owner is OffloadConfig
+    vllm_name = name.replace("-", "_")
+    if top and vllm_name in VLLM_OPTION_KEYS:
+        gib = vllm_name == "kv_offloading_size" and isinstance(value, int | float) and not isinstance(value, bool)
+        return ConfigError(key, value, VLLM_OPTION_KEYS[vllm_name],
+                           f"{name} is an option of vLLM's own CPU offload, not of OffloadConnector",
+                           guess=f"cpu_bytes: {value:g}GiB" if gib and value > 0 else "")
+    fields = list(owner.__struct_fields__)
+    known = [f for f in fields if not (top and f in FAKE_ENGINE_KEYS)]
+    allowed = f"known keys here: {', '.join(known)}"
+    if top:
+        allowed += (f"; for the fake engine only (ignored under vLLM): {', '.join(FAKE_ENGINE_KEYS)}; "
+                    + ", ".join(f"{a} (alias of {k})" for a, k in ALIASES.items()))
+    close = difflib.get_close_matches(name, fields + (list(ALIASES) if top else []), n=1, cutoff=0.6)
+    return ConfigError(key, value, allowed, "unknown key", guess=repr(close[0]) if close else "")
 
 
 def _validate(cfg: OffloadConfig) -> OffloadConfig:
@@ -287,9 +290,18 @@ def load_config(path_or_dict: str | Path | Mapping[str, Any] | None = None, *, n
 
     Keys missing from the input take the documented defaults; an unset `store_policy` is `eager` for a
     model of `num_kv_groups` > 1 KV-cache groups (or the fake engine's `engine.sliding_window`: two), else
-    `lazy`. Raises ConfigError on any bad input.
+    `lazy`. Raises ConfigError on any bad input; read from a file, the error says so (`locate`).
     """
     data: Any = config_source_dict(path_or_dict)
+    if not isinstance(path_or_dict, str | Path):
+        return _load(data, num_kv_groups)
+    try:
+        return _load(data, num_kv_groups)
+    except ConfigError as err:
+        raise locate(err, [(_resolved(Path(path_or_dict)), data)]) from None
+
+
+def _load(data: Any, num_kv_groups: int) -> OffloadConfig:
     if not isinstance(data, Mapping):
         raise ConfigError("<root>", data, "a mapping of config keys")
     _check_keys(data)
@@ -303,6 +315,11 @@ def load_config(path_or_dict: str | Path | Mapping[str, Any] | None = None, *, n
     except msgspec.ValidationError as err:
         raise _translate(err, data) from None
     return _validate(cfg)
+
+
+def locate(err: ConfigError, sources: Sequence[tuple[str, Mapping[str, Any]]]) -> ConfigError:
+    """`config_errors.locate` knowing our key aliases (vLLM's `cpu_bytes_to_use` sets `cpu_bytes`)."""
+    return locate_key(err, sources, ALIASES)
 
 
 def merge_configs(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:

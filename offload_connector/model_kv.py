@@ -27,8 +27,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1,
-               "fp8_e5m2": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
+# Every name of a KV dtype: vLLM's --dtype and --kv-cache-dtype choices, torch's names as config.json writes
+# them, and the usual short forms; each maps to its DTYPE_BYTES name.
+DTYPE_NAMES = {
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "float16": "float16", "half": "float16", "fp16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "fp8_inc": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
+}
+DTYPES_ALLOWED = ", ".join(f"{name} ({', '.join(n for n, c in DTYPE_NAMES.items() if c == name and n != name)})"
+                           for name in DTYPE_BYTES)
+
+
+def dtype_name(name: Any) -> str | None:
+    """The DTYPE_BYTES name of a dtype as vLLM, torch or config.json write it ("half", "torch.bfloat16",
+    "fp8_e5m2"), or None for one that sizes no KV cache we know."""
+    return DTYPE_NAMES.get(str(name).removeprefix("torch.").lower())
 
 
 class ModelConfigError(ValueError):
@@ -38,6 +53,15 @@ class ModelConfigError(ValueError):
         self.key = key
         super().__init__(f"model config key '{key}': got {value!r}; allowed: {allowed}"
                          + (f" (in {where})" if where else ""))
+
+
+class ModelOptionError(ModelConfigError):
+    """A bad `offload-connector check` option about the model (`--model-config`, `--dtype`): names the flag,
+    the value, what went wrong and what is allowed."""
+
+    def __init__(self, flag: str, value: Any, allowed: str, problem: str = "") -> None:
+        self.key = flag
+        ValueError.__init__(self, f"{flag}: got {value!r}{f' ({problem})' if problem else ''}; allowed: {allowed}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,14 +161,25 @@ def from_hf_config(data: Mapping[str, Any], where: str = "config.json", dtype: s
             hidden = _positive_int(cfg, ("hidden_size", "n_embd"), where)
             head_size = hidden // heads
         head_size_v = head_size
-    kv_dtype = dtype or cfg.get("torch_dtype") or cfg.get("dtype") or data.get("torch_dtype") or data.get("dtype")
-    if kv_dtype is None:
-        raise ModelConfigError("torch_dtype", None, f"one of {', '.join(sorted(DTYPE_BYTES))} (or pass --dtype)", where)
-    kv_dtype = str(kv_dtype).removeprefix("torch.")
-    if kv_dtype not in DTYPE_BYTES:
-        raise ModelConfigError("torch_dtype", kv_dtype, ", ".join(sorted(DTYPE_BYTES)), where)
+    if dtype is not None and str(dtype).lower() != "auto":  # --dtype: checked by the caller (`check_dtype`)
+        kv_dtype = check_dtype(dtype)
+    else:
+        found = _first(cfg, ("torch_dtype", "dtype")) or _first(data, ("torch_dtype", "dtype"))
+        if found is None:
+            raise ModelConfigError("torch_dtype", None, f"one of {DTYPES_ALLOWED} (or pass --dtype)", where)
+        kv_dtype = dtype_name(found[1])
+        if kv_dtype is None:
+            raise ModelConfigError(found[0], found[1], f"{DTYPES_ALLOWED} (or pass --dtype)", where)
     return ModelKV(name, num_layers, kv_heads, head_size, head_size_v, kv_dtype, mla,
                    _windows(cfg, num_layers, where))
+
+
+def check_dtype(dtype: str) -> str:
+    """`offload-connector check --dtype`'s value as a DTYPE_BYTES name, or `ModelOptionError` naming the flag."""
+    name = dtype_name(dtype)
+    if name is None:
+        raise ModelOptionError("--dtype", dtype, f"auto (the config's torch_dtype), {DTYPES_ALLOWED}")
+    return name
 
 
 STATE_LAYER_KINDS = ("mamba", "linear_attention", "ssm")
@@ -202,9 +237,11 @@ def read_hf_config(path: str) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except OSError as exc:
-        raise ModelConfigError("--model-config", path, "a readable config.json", exc.strerror or str(exc)) from None
+        raise ModelOptionError("--model-config", path, "the path of a model's config.json (Hugging Face format)",
+                               exc.strerror or str(exc)) from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise ModelConfigError("--model-config", path, "a JSON file (a model's config.json)", str(exc)) from None
+        raise ModelOptionError("--model-config", path, "a model's config.json (a JSON object)",
+                               f"not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ModelConfigError("<root>", type(data).__name__, "a JSON object (a model's config.json)", path)
     return {**_derived_by_transformers(data), **data}

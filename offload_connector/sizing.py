@@ -8,8 +8,8 @@ overrides `cpu_bytes`. Ranks whose KV is byte-identical (MLA's latent, replicate
 one pool between them (`shared_by` ranks per pool): `cpu_bytes` is then divided among the pools, not the
 ranks, so a pool shared by every rank holds as many blocks at TP 2 as at TP 1.
 
-Every refusal is a `ConfigError` naming `cpu_bytes` (or `num_cpu_blocks`), the value and what is
-allowed, with sizes in human units (`format_bytes`). This module imports nothing but the config types.
+Every refusal is a `ConfigError` naming `cpu_bytes` (or `num_cpu_blocks`), the value as the user wrote it
+and what is allowed, with sizes in human units (`format_bytes`). This module imports nothing but the config types.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 
 from offload_connector.config import ConfigError, OffloadConfig
+from offload_connector.sizes import written
 
 MEMINFO = "/proc/meminfo"
 SHM_DIR = "/dev/shm"  # where a pool shared by several ranks' processes lives (worker_side/shared_pool.py)
@@ -66,12 +67,14 @@ def num_cpu_blocks(config: OffloadConfig, bytes_per_block: int, world_size: int 
     n = cpu_bytes // pools // bytes_per_block
     if n < 2:
         ranks = f" per rank x {world_size} ranks" if pools > 1 else ""
-        hint = f"; did you mean {cpu_bytes}GiB?" if cpu_bytes < GIB_TYPO_BELOW else ""
+        as_written = written(config.cpu_bytes)
+        bare = isinstance(as_written, int) or str(as_written).strip().isdigit()  # no unit: a GiB count, likely
         raise ConfigError(
-            "cpu_bytes", config.cpu_bytes,
+            "cpu_bytes", as_written,
             f">= {format_bytes(2 * bytes_per_block * pools)} ({2 * bytes_per_block * pools} bytes: "
             f"2 blocks of {format_bytes(bytes_per_block)}{ranks})",
-            f"the CPU pool would hold fewer than 2 blocks per rank; block 0 is reserved{hint}",
+            "the CPU pool would hold fewer than 2 blocks per rank; block 0 is reserved",
+            guess=f"{cpu_bytes}GiB" if bare and cpu_bytes < GIB_TYPO_BELOW else "",
         )
     return n
 
@@ -141,7 +144,7 @@ def check_host_memory(config: OffloadConfig, cap: Capacity, ranks_on_host: int, 
             f"here: this host's MemAvailable is {format_bytes(available)}{per_rank}",
             f"{ranks} would take {format_bytes(needed)}")
     raise ConfigError(
-        "cpu_bytes", format_bytes(int(config.cpu_bytes)),
+        "cpu_bytes", written(config.cpu_bytes),
         f"<= {format_bytes(available * cap.pools // pools_on_host)} here: this host's MemAvailable is "
         f"{format_bytes(available)}{per_rank}",
         f"{ranks} would take {format_bytes(needed)}; cpu_bytes is for the whole engine")
@@ -162,7 +165,7 @@ def check_shared_memory(config: OffloadConfig, cap: Capacity, free: int | None) 
     if cap.shared_by == 1 or free is None or cap.bytes_per_rank <= free:
         return
     key, value = ("num_cpu_blocks", config.num_cpu_blocks) if config.num_cpu_blocks is not None else \
-        ("cpu_bytes", format_bytes(int(config.cpu_bytes)))
+        ("cpu_bytes", written(config.cpu_bytes))
     raise ConfigError(
         key, value,
         f"a pool <= {format_bytes(free)} here ({free // cap.bytes_per_block:,} blocks of "

@@ -9,10 +9,11 @@ key, as the CLI prints in one `error:` line. Imports no vLLM and no torch.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from offload_connector.config import load_config
-from offload_connector.model_kv import from_hf_config, read_hf_config
+from offload_connector.config import ConfigError, OffloadConfig, load_config, locate, read_config_file
+from offload_connector.model_kv import ModelKV, ModelOptionError, check_dtype, from_hf_config, read_hf_config
 from offload_connector.sizing import capacity, check_host_memory, format_bytes, mem_available_bytes
 from offload_connector.vllm.engine_setup import keeps_hybrid_manager
 
@@ -21,9 +22,22 @@ VLLM_DEFAULT_BLOCK_SIZE = 16  # vLLM's CacheConfig.DEFAULT_BLOCK_SIZE (GPU backe
 
 def check_config(path: str, model_config: str | None = None, tp: int = 1, block_size: int | None = None,
                  dtype: str | None = None, host_memory: bool = True) -> dict[str, Any]:
+    if dtype is not None and dtype.lower() != "auto":  # auto: the config's torch_dtype, as in vLLM
+        check_dtype(dtype)  # the flag's error before the model's: it names --dtype
+        if model_config is None:
+            raise ModelOptionError("--dtype", dtype, "with --model-config only",
+                                   "it is the KV dtype of the model --model-config names")
     kv = from_hf_config(read_hf_config(model_config), where=model_config, dtype=dtype) if model_config else None
     # An unset store_policy resolves as the connector resolves it for this model (eager for a hybrid one).
     config = load_config(path, num_kv_groups=2 if kv is not None and kv.is_hybrid else 1)
+    try:
+        return _sized(path, config, kv, tp, block_size, host_memory)
+    except ConfigError as err:  # a size the model or this host refuses: where it was set, or the default
+        raise locate(err, [(str(Path(path).resolve()), read_config_file(path))]) from None
+
+
+def _sized(path: str, config: OffloadConfig, kv: ModelKV | None, tp: int, block_size: int | None,
+           host_memory: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
         "valid": True, "config": path, "store_policy": config.store_policy, "eviction": config.eviction,
         "transfer_backend": config.transfer.backend, "remote": config.remote is not None,

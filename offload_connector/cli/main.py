@@ -4,7 +4,7 @@
   transfers, integrity errors and leaks. Exit status 0 on a clean run, 1 if the replay found integrity
   errors or leaked blocks.
 - `check CONFIG [--model-config config.json] [--tp N] [--block-size N]`: validate a config and print what
-  it gives per rank for that model (config_check.py). Exit status 0 when valid.
+  it gives per rank for that model (check.py). Exit status 0 when valid.
 
 Both: exit status 2 with one `error:` line on stderr on bad input (config, model config, trace, flags) or a
 missing optional dependency, found before any work starts.
@@ -168,6 +168,7 @@ def _pool_sizes(args: argparse.Namespace, bundled_scaled: bool) -> tuple[int | N
     sizes: dict[str, int | None] = {"gpu_blocks": args.gpu_blocks, "cpu_blocks": args.cpu_blocks}
     gpu_default, cpu_default = BUNDLED_SIZES[args.trace or "synthetic"] if bundled_scaled else (0, 0)
     bundled_default = {"gpu_blocks": gpu_default, "cpu_blocks": cpu_default}
+    bundled_share = {"gpu_blocks": "5%", "cpu_blocks": "10%"}
     sources = {}
     for key in sizes:
         if sizes[key] is not None:
@@ -175,7 +176,8 @@ def _pool_sizes(args: argparse.Namespace, bundled_scaled: bool) -> tuple[int | N
         elif file_sets[key]:
             sources[key] = f"config file {args.config}"
         elif bundled_scaled:
-            sizes[key], sources[key] = bundled_default[key], "the bundled trace's default (5% / 10% of its distinct blocks)"
+            sizes[key] = bundled_default[key]
+            sources[key] = f"the bundled trace's default ({bundled_share[key]} of its distinct blocks)"
         elif key == "cpu_blocks" and args.config:  # never cpu_bytes / the fake model's tiny blocks
             sizes[key] = config_source_dict(None)["engine"]["num_cpu_blocks"]
             sources[key] = "the embedded default.yaml's engine.num_cpu_blocks"

@@ -68,7 +68,8 @@ def format_report(result: ReplayResult) -> str:
         f"    CPU hit   {s.cpu_hit_tokens:,} ({pct(s.cpu_hit_tokens):.1%})",
         *([f"      of it from disk {d['disk_hit_tokens']:,} ({pct(d['disk_hit_tokens']):.1%})"] if "disk" in result.tiers else []),
         f"    computed  {s.computed_prompt_tokens:,} ({pct(s.computed_prompt_tokens):.1%})",
-        f"    hit ratio {pct(s.gpu_hit_tokens + s.cpu_hit_tokens):.1%} (GPU + CPU)",
+        f"    hit ratio {pct(s.gpu_hit_tokens + s.cpu_hit_tokens):.1%} "
+        f"({'GPU + CPU incl. disk' if 'disk' in result.tiers else 'GPU + CPU'})",
         f"  transfers   stored {_mib(s.bytes_stored)}, loaded {_mib(s.bytes_loaded)}; {s.num_loads} loads, "
         f"{s.load_wait_steps} load-wait steps (max {s.max_load_wait_steps}), {s.failed_load_blocks} failed blocks",
         f"  engine      {s.steps} steps, {s.output_tokens:,} output tokens, {s.num_preemptions} preemptions, "

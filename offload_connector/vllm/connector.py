@@ -67,6 +67,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from offload_connector.config import ConfigError
 from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.metadata import TransferMetadata
 from offload_connector.sizing import (
@@ -84,6 +85,7 @@ from offload_connector.vllm.engine_setup import (
     check_groups_config,
     describe_config_source,
     describe_kv_cache,
+    located_in_extra_config,
     resolve_config,
     shared_pool_path,
     shared_pool_ranks,
@@ -154,14 +156,17 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         self.shape: KVCacheShape = replace(shape, shared_by=shared_pool_ranks(vllm_config, kv_cache_config,
                                                                                self.config))
         check_groups_config(self.config, self.shape)  # a hybrid model: eager stores, no lower tier
-        self.capacity = self.shape.capacity(self.config)  # raises for fewer than 2 blocks per rank
+        try:
+            self.capacity = self.shape.capacity(self.config)  # raises for fewer than 2 blocks per rank
+            # Before any block exists: the host must hold its ranks' pools (the plugin checked the same from
+            # the model's config; this is vLLM's exact KV spec, and the check for set-ups without the
+            # plugin), and /dev/shm a pool the ranks share.
+            check_host_memory(self.config, self.capacity, ranks_on_host(vllm_config.parallel_config),
+                              mem_available_bytes())
+            check_shared_memory(self.config, self.capacity, shm_free_bytes())
+        except ConfigError as err:
+            raise located_in_extra_config(err, extra) from None
         self.num_cpu_blocks = self.capacity.num_cpu_blocks  # the null block included
-        # Before any block exists: the host must hold its ranks' pools (the plugin checked the same from the
-        # model's config; this is vLLM's exact KV spec, and the check for set-ups without the plugin), and
-        # /dev/shm a pool the ranks share.
-        check_host_memory(self.config, self.capacity, ranks_on_host(vllm_config.parallel_config),
-                          mem_available_bytes())
-        check_shared_memory(self.config, self.capacity, shm_free_bytes())
         identity = None
         if lower_tier_sections(self.config):  # tiers below the CPU tier (offload_connector/lower_tiers.py)
             from offload_connector.vllm.tier_identity import vllm_tier_identity

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from offload_connector.config import OffloadConfig
-from offload_connector.model_kv import DTYPE_BYTES, ModelConfigError, ModelKV
+from offload_connector.model_kv import DTYPE_BYTES, ModelConfigError, ModelKV, dtype_name
 from offload_connector.sizing import capacity, check_host_memory, check_shared_memory, shm_free_bytes
 from offload_connector.vllm.compat import hybrid_manager_on, is_mamba_hybrid, registered_module_path, uses_mla
 from offload_connector.vllm.engine_setup import ranks_sharing_a_pool, resolve_config
@@ -119,10 +119,9 @@ def model_kv_of(vllm_config: Any) -> ModelKV:
 
 
 def _kv_dtype(cache_dtype: str, model_dtype: Any) -> str:
-    if cache_dtype and cache_dtype != "auto":
-        name = str(cache_dtype)
-        return "fp8" if name.startswith("fp8") else name
-    return str(model_dtype).removeprefix("torch.")
+    """The KV dtype's DTYPE_BYTES name, or as vLLM names it when it sizes no KV we know (nvfp4, ...)."""
+    name = cache_dtype if cache_dtype and cache_dtype != "auto" else str(model_dtype).removeprefix("torch.")
+    return dtype_name(name) or str(name)
 
 
 def ranks_on_host(parallel_config: Any) -> int:

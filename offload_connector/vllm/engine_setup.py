@@ -33,12 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from offload_connector.config import (
-    ALIASES,
     ConfigError,
     OffloadConfig,
     config_source_dict,
     load_config,
+    locate,
     merge_configs,
+    read_config_file,
 )
 from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.sizing import SHM_DIR, Capacity, capacity, num_cpu_blocks
@@ -74,23 +75,36 @@ def resolve_config(extra: Mapping[str, Any] | None, num_kv_groups: int = 1) -> O
     `num_kv_groups` KV-cache groups (an unset `store_policy` is eager with several: `load_config`).
 
     A `ConfigError` says where the bad key was set: the config file's absolute path (relative paths start
-    at vLLM's working directory) or `kv_connector_extra_config`.
+    at vLLM's working directory) or `kv_connector_extra_config` (`located_in_extra_config`).
     """
     inline = dict(extra or {})
     config_file = inline.pop("config_file", None)
     if config_file is not None and not isinstance(config_file, str):
         raise ConfigError("config_file", config_file, "a path (string) to a YAML file",
-                          "in kv_connector_extra_config")
+                          where="in kv_connector_extra_config")
     try:
         base = config_source_dict(config_file)  # no file: the embedded default
     except ConfigError as err:
-        raise _located(err, _absolute(config_file)) from None
+        where = _absolute(config_file)
+        raise (err if where is None or where in str(err) else err.located(f"in {where}")) from None
     try:
         return load_config(merge_configs(base, inline), num_kv_groups=num_kv_groups)
     except ConfigError as err:
-        inline_keys = [err.key] + [alias for alias, key in ALIASES.items() if key == err.key]
-        where = "kv_connector_extra_config" if any(_sets(inline, k) for k in inline_keys) else None
-        raise _located(err, where or _absolute(config_file)) from None
+        raise located_in_extra_config(err, extra) from None
+
+
+def located_in_extra_config(err: ConfigError, extra: Mapping[str, Any] | None) -> ConfigError:
+    """`err` (from our config or from sizing the CPU tier with it) saying where its key was set:
+    `kv_connector_extra_config`, the config file it names (absolute path), or neither (the default)."""
+    inline = dict(extra or {})
+    config_file = inline.pop("config_file", None)
+    sources: list[tuple[str, Mapping[str, Any]]] = [("kv_connector_extra_config", inline)]
+    if isinstance(config_file, str):
+        try:
+            sources.append((_absolute(config_file) or config_file, read_config_file(config_file)))
+        except ConfigError:  # gone since it was read: name it anyway
+            sources.append((_absolute(config_file) or config_file, {}))
+    return locate(err, sources)
 
 
 def describe_config_source(extra: Mapping[str, Any] | None) -> str:
@@ -113,22 +127,6 @@ def _absolute(path: str | None) -> str | None:
         return str(Path(path).resolve())
     except (OSError, ValueError):
         return path
-
-
-def _sets(data: Mapping[Any, Any], dotted_key: str) -> bool:
-    """Whether `data` itself sets the (dotted) key, e.g. `transfer.num_streams`."""
-    for name in dotted_key.split("."):
-        if not isinstance(data, Mapping) or name not in data:
-            return False
-        data = data[name]
-    return True
-
-
-def _located(err: ConfigError, where: str | None) -> ConfigError:
-    """`err`, its message ending with where the key was set (unless it already names that place)."""
-    if where is not None and where not in str(err):
-        err.args = (f"{err} (in {where})",)
-    return err
 
 
 @dataclass(frozen=True, slots=True)

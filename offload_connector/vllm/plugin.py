@@ -50,7 +50,7 @@ from offload_connector.vllm.early_check import (
     check_engine_args,
     selects_ours,
 )
-from offload_connector.vllm.engine_setup import keeps_hybrid_manager, resolve_config
+from offload_connector.vllm.engine_setup import keeps_hybrid_manager, located_in_extra_config, resolve_config
 from offload_connector.vllm.errors import UnsupportedSetupError
 
 logger = logging.getLogger(__name__)
@@ -150,9 +150,13 @@ def check_engine_config(vllm_config: Any) -> None:
         if ours is not None and isinstance(connector_cls, type) and issubclass(connector_cls, ours.OffloadConnector):
             compat.check_vllm_version()
             groups = 2 if compat.is_mamba_hybrid(config) else 1  # several groups: unset means eager
-            ours_config = resolve_config(config.kv_transfer_config.kv_connector_extra_config, groups)
+            extra = config.kv_transfer_config.kv_connector_extra_config
+            ours_config = resolve_config(extra, groups)
             check_mamba_hybrid(config, ours_config)
-            check_capacity(config, ours_config, mem_available_bytes())
+            try:
+                check_capacity(config, ours_config, mem_available_bytes())
+            except ConfigError as err:
+                raise located_in_extra_config(err, extra) from None
 
 
 def check_mamba_hybrid(vllm_config: Any, config: Any) -> None:

@@ -6,7 +6,9 @@ forwards each scheduler hook here. It owns
 - the `VllmGpuPool` view through which that scheduler borrows vLLM's GPU `BlockPool`; it is empty until
   vLLM calls `bind_gpu_block_pool`, which vLLM does before the first `get_num_new_matched_tokens`,
 - the `StatsTracker` that turns the scheduler's running counters into deltas for vLLM (every 16 steps,
-  and on every step without a live request, so a burst's last figures are not held back), and
+  and on every step without a live request, so a burst's last figures are not held back); its first
+  report comes from one step the role asks vLLM for at start-up (`has_pending_push_work`), before any
+  request, so the capacity gauges are exported from the first scrape, and
 - whether vLLM asked for KV-cache events.
 Everything here runs on vLLM's scheduler thread, one hook at a time; nothing touches a KV tensor. The
 translation is from vLLM's types (`Request`, `KVCacheBlocks`, `SchedulerOutput`, `KVConnectorOutput`) to
@@ -65,6 +67,9 @@ class SchedulerRole:
             lend_load_slots=shape.shared_by == 1,  # a shared pool: ranks do not order copies among themselves
         )
         self._stats_tracker = StatsTracker()
+        # One step asked of vLLM at start-up, before any request (`has_pending_push_work`): its stats report
+        # carries the capacity gauges, so Prometheus holds them from the first scrape, not 0 until a request.
+        self._capacity_unreported = config.metrics
         # Host bytes one CPU block takes, all pools together (ranks sharing a pool hold one copy).
         self._bytes_per_block_all_ranks = shape.bytes_per_block * (shape.world_size // shape.shared_by)
         self._drafted: set[str] = set()  # requests with draft tokens in the last step (speculative decoding)
@@ -86,6 +91,7 @@ class SchedulerRole:
         self.scheduler.update_state_after_alloc(request, gpu_block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadConnectorMetadata:
+        self._capacity_unreported = False  # this step's stats report carries the gauges (StatsTracker's first)
         sched = self.scheduler
         for req_id in scheduler_output.preempted_req_ids or ():
             sched.request_preempted(req_id)
@@ -136,8 +142,9 @@ class SchedulerRole:
         return self.scheduler.reset_cache()
 
     def has_pending_push_work(self) -> bool:
-        # Keep the engine stepping until in-flight transfers report back, so an idle engine holds no blocks.
-        return self.scheduler.num_inflight_transfers > 0
+        # Keep the engine stepping until in-flight transfers report back, so an idle engine holds no blocks;
+        # and step once at start-up to report the capacity.
+        return self._capacity_unreported or self.scheduler.num_inflight_transfers > 0
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events = self.scheduler.take_events()
@@ -159,7 +166,7 @@ class SchedulerRole:
         cached = len(pool.cached)
         gauges: dict[str, float] = {
             "cpu_pool_usage": round(pool.usage, 4), "cpu_blocks_cached": cached,
-            "cpu_blocks_total": pool.num_blocks - 1,
+            "cpu_capacity_blocks": pool.num_blocks - 1,
             "cpu_cached_bytes": cached * self._bytes_per_block_all_ranks,
             "cpu_capacity_bytes": (pool.num_blocks - 1) * self._bytes_per_block_all_ranks,
             "cpu_hit_rate": round(stats.num_hit_tokens / stats.num_lookup_tokens, 4) if stats.num_lookup_tokens else 0,

@@ -7,7 +7,8 @@ Only the scheduler role produces stats (worker byte/second figures reach it thro
 so nothing is counted twice under tensor parallelism.
 
 `StatsTracker` turns the scheduler side's running counters (`SchedulerStats`, never reset) into deltas;
-its first report comes at the engine's first step, so the gauges (capacity, occupancy) are set from then.
+its first report comes at the engine's first step, which the scheduler role asks for at start-up, before
+any request (scheduler_role.py), so the gauges (capacity, occupancy) are set from the first scrape.
 `OffloadPromMetrics` exports every counter and gauge of `COUNTERS` and `GAUGES` (prefixed
 `vllm:offload_connector_`) for every engine from the moment vLLM builds its Prometheus logger, at 0 until
 the first report: a dashboard shows 0, never "No data", for a counter nothing has touched yet.
@@ -32,7 +33,7 @@ from scheduler_side.tiers.registry import TIERS
 # lower tier's, `<tier>_<counter>` (both roles summed, `LowerTier.counter_values()` order; zero without the
 # tier); the same for gauges.
 COUNTERS = FIELDS + tuple(f"{name}_{c}" for name, cls in TIERS.items() for c in cls.COUNTERS)
-GAUGES = ("cpu_pool_usage", "cpu_blocks_cached", "cpu_blocks_total", "cpu_cached_bytes", "cpu_capacity_bytes",
+GAUGES = ("cpu_pool_usage", "cpu_blocks_cached", "cpu_capacity_blocks", "cpu_cached_bytes", "cpu_capacity_bytes",
           "cpu_hit_rate") + tuple(f"{name}_{g}" for name, cls in TIERS.items() for g in cls.GAUGES)
 PROM_PREFIX = "vllm:offload_connector_"
 
@@ -62,7 +63,7 @@ _DOCS = {
     "load_seconds": "seconds spent in loads (all ranks)",
     "cpu_pool_usage": "fraction of CPU blocks referenced by transfers or pending hits",
     "cpu_blocks_cached": "CPU blocks holding a hit-able copy",
-    "cpu_blocks_total": "CPU blocks per rank (the tier's capacity; block 0, reserved, not counted)",
+    "cpu_capacity_blocks": "CPU blocks per rank (the tier's capacity; block 0, reserved, not counted)",
     "cpu_cached_bytes": "host memory holding hit-able copies, all ranks (the tier's occupancy)",
     "cpu_capacity_bytes": "host memory of the CPU tier's blocks, all ranks (the tier's capacity)",
     "cpu_hit_rate": "since start-up: tokens loaded from the CPU tier / tokens looked up there (0 before any lookup)",
@@ -114,7 +115,8 @@ class OffloadConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.counters.values())
+        # Gauges alone are news too: the start-up report (capacity, before any request) has no counter.
+        return not any(self.counters.values()) and not self.gauges
 
 
 class StatsTracker:

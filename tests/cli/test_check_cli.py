@@ -88,9 +88,12 @@ def test_a_hybrid_model_follows_the_store_policy(capsys, tmp_path) -> None:
     ("cpu_bytes: 8\n", ["--model-config", LLAMA, "--block-size", "32"],
      "error: invalid config key 'cpu_bytes': got 8; allowed: >= 64 KiB"),
     ("cpu_bytes: 100GiB\n", ["--model-config", LLAMA],
-     "error: invalid config key 'cpu_bytes': got '100 GiB'; allowed: <= 64 GiB here: this host's MemAvailable is 64 GiB"),
-    ("cpu_bytes: 1GiB\n", ["--model-config", "missing.json"], "error: model config key '--model-config': got 'missing.json'"),
-    ("cpu_bytes: 1GiB\n", ["--model-config", LLAMA, "--dtype", "int3"], "error: model config key 'torch_dtype': got 'int3'"),
+     "error: invalid config key 'cpu_bytes': got '100GiB'; allowed: <= 64 GiB here: this host's MemAvailable is 64 GiB"),
+    ("cpu_bytes: 1GiB\n", ["--model-config", "missing.json"],
+     "error: --model-config: got 'missing.json' (No such file or directory); allowed: the path of a model's config.json"),
+    ("cpu_bytes: 1GiB\n", ["--model-config", LLAMA, "--dtype", "int3"],
+     "error: --dtype: got 'int3'; allowed: auto (the config's torch_dtype), float32 (float, fp32), float16 (half, fp16)"),
+    ("cpu_bytes: 1GiB\n", ["--dtype", "half"], "error: --dtype: got 'half' (it is the KV dtype of the model --model-config"),
 ])
 def test_a_bad_config_or_model_is_one_error_line_and_exit_2(capsys, tmp_path, monkeypatch, yaml: str,
                                                            args: list[str], error: str) -> None:
@@ -104,7 +107,71 @@ def test_a_small_bare_cpu_bytes_suggests_gib(capsys, tmp_path) -> None:
     path = tmp_path / "offload.yaml"
     path.write_text("cpu_bytes: 8\n")
     _, _, err = check(capsys, str(path), "--model-config", LLAMA)
-    assert err.rstrip().endswith("did you mean 8GiB?)")
+    assert err.rstrip().endswith(f"did you mean 8GiB?) (in {path.resolve()})")
+
+
+def test_a_size_with_a_unit_is_echoed_as_written_and_not_guessed(capsys, tmp_path) -> None:
+    """Issue 41: `cpu_bytes: 8B` was echoed as `got 8` and guessed to mean 8GiB."""
+    path = tmp_path / "offload.yaml"
+    path.write_text("cpu_bytes: 8B\n")
+    code, _, err = check(capsys, str(path), "--model-config", LLAMA)
+    assert code == 2 and "got '8B'; allowed: >= 32 KiB" in err and "did you mean" not in err
+    assert err.rstrip().endswith(f"(in {path.resolve()})")
+
+
+def test_a_default_the_host_cannot_hold_says_it_is_the_default(capsys, tmp_path, monkeypatch) -> None:
+    """The default cpu_bytes (8 GiB) on a host with less: the error says no file set it."""
+    monkeypatch.setattr(config_check, "mem_available_bytes", lambda: 2**30)
+    path = tmp_path / "offload.yaml"
+    path.write_text("eviction: arc\n")
+    code, _, err = check(capsys, str(path), "--model-config", LLAMA)
+    assert code == 2 and err.startswith("error: invalid config key 'cpu_bytes': got '8GiB'; allowed: <= 1 GiB here")
+    assert err.rstrip().endswith(f"(not set in {path.resolve()}: the default)")
+
+
+@pytest.mark.parametrize(("yaml", "error"), [
+    ("store_polcy: lazy\n", "(unknown key; did you mean 'store_policy'?)"),
+    ("transfer:\n  backnd: cpu\n", "invalid config key 'transfer.backnd': got 'cpu'; allowed: known keys here: backend,"),
+    ("eviction: lur\n", "did you mean 'lru'?"),
+    ("kv_offloading_size: 8\n", "invalid config key 'kv_offloading_size': got 8; allowed: cpu_bytes, a size such as "
+                                '"8GiB" (vLLM\'s --kv-offloading-size is a number of GiB) (kv_offloading_size is an '
+                                "option of vLLM's own CPU offload, not of OffloadConnector; did you mean cpu_bytes: 8GiB?)"),
+    ("eviction_policy: lru\n", "allowed: eviction: 'lru' | 'arc'"),
+    ("cpu_bytes: 64mb\n", "got '64mb'; allowed: a positive int (bytes) or a number with a unit, written in this case: "
+                          "B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2)"),
+    ("cpu_bytes: 64mb\n", "(unknown unit 'mb'; did you mean '64MiB' or '64MB'?)"),
+])
+def test_config_errors_guess_what_was_meant_and_say_where(capsys, tmp_path, yaml: str, error: str) -> None:
+    """Issue 41: a near miss of a key or value gets "did you mean", vLLM's own option names what to set
+    instead, sizes take only the documented units in their case, and every error names the file."""
+    path = tmp_path / "offload.yaml"
+    path.write_text(yaml)
+    code, _, err = check(capsys, str(path))
+    assert code == 2 and error in err and err.rstrip().endswith(f"(in {path.resolve()})")
+    assert err.count("\n") == 1
+
+
+def test_the_unknown_key_error_sets_apart_the_keys_vllm_ignores(capsys, tmp_path) -> None:
+    path = tmp_path / "offload.yaml"
+    path.write_text("nonsense: 1\n")
+    _, _, err = check(capsys, str(path))
+    known = err.split("known keys here: ")[1].split(";")[0]
+    assert "cpu_bytes" in known and "hash_algo" not in known and "engine" not in known
+    assert "for the fake engine only (ignored under vLLM): hash_algo, engine" in err and "did you mean" not in err
+
+
+@pytest.mark.parametrize("names", [("half", "fp16", "float16"), ("bf16", "bfloat16", "torch.bfloat16"),
+                                   ("fp8", "fp8_e5m2", "fp8_e4m3"), ("float", "fp32", "auto")])
+def test_dtype_takes_vllms_names_and_the_short_forms_alike(capsys, tmp_path, names: tuple[str, ...]) -> None:
+    """Issue 41: `--dtype fp16` was refused while `half` and `fp8` were taken."""
+    path = tmp_path / "offload.yaml"
+    path.write_text("cpu_bytes: 1GiB\n")
+    sizes = set()
+    for name in names:
+        code, out, _ = check(capsys, str(path), "--model-config", LLAMA, "--dtype", name, "--json")
+        assert code == 0
+        sizes.add(json.loads(out)["per_rank"]["bytes_per_block"])
+    assert len(sizes) == 1
 
 
 def test_another_hosts_config_skips_this_hosts_memory(capsys, tmp_path) -> None:

@@ -113,6 +113,17 @@ def test_default_replay_shows_cpu_hits(capsys: pytest.CaptureFixture[str]) -> No
     assert out["integrity_errors"] == 0 and out["leaked_blocks"] == 0
 
 
+def test_the_readme_shows_what_the_default_replay_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 41: the README (and the docs) printed 31.7% / 17.5% while the replay gave 31.8% / 17.6%. Every
+    line the README shows of `offload-connector replay` is a line the replay prints."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("$ offload-connector replay\n", 1)[1].split("```", 1)[0]
+    shown = [line for line in block.splitlines() if line.strip() not in ("", "...")]
+    assert main(["replay", "--quiet"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert len(shown) >= 6 and [line for line in shown if line not in printed] == []
+
+
 def test_eager_with_room_to_spare_loses_no_evicted_block() -> None:
     """Eager stores every computed block before the GPU can evict it: with a CPU tier that never fills, no
     evicted GPU block is lost from both tiers (the measure lazy is judged by)."""
@@ -150,7 +161,9 @@ def test_a_config_file_keeps_the_bundled_sizes_unless_it_sets_them(tmp_path, cap
     path.write_text("store_policy: lazy\neviction: arc\n")
     out = run_json(capsys, "--config", str(path), "--limit", "50")
     assert (out["gpu_blocks"], out["cpu_blocks"]) == (2196, 4392) and out["store_policy"] == "lazy"
-    assert "bundled trace's default" in out["sizes_from"]["gpu_blocks"]
+    # Issue 41: each pool's own share ("5% / 10%" on both read as if each pool were both).
+    assert out["sizes_from"] == {"gpu_blocks": "the bundled trace's default (5% of its distinct blocks)",
+                                 "cpu_blocks": "the bundled trace's default (10% of its distinct blocks)"}
     path.write_text("num_cpu_blocks: 999\n")
     out = run_json(capsys, "--config", str(path), "--limit", "50", "--gpu-blocks", "3000")
     assert (out["gpu_blocks"], out["cpu_blocks"]) == (3000, 999)

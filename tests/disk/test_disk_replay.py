@@ -43,6 +43,7 @@ def test_the_report_has_a_disk_line(tmp_path, capsys):
     assert main(["replay", "--quiet", *ARGS, "--disk-dir", str(tmp_path / "tier")]) == 0
     out = capsys.readouterr().out
     assert "of it from disk" in out and "disk tier" in out and "records" in out
+    assert "hit ratio" in out and "(GPU + CPU incl. disk)" in out  # issue 41: it was labelled "GPU + CPU"
 
 
 @pytest.mark.parametrize("args, message", [

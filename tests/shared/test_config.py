@@ -2,7 +2,8 @@
 
 import pytest
 
-from offload_connector.config import ConfigError, load_config, merge_configs
+from offload_connector.config import ConfigError, load_config, locate, merge_configs
+from offload_connector.sizes import written
 from offload_connector.sizing import num_cpu_blocks
 
 
@@ -168,3 +169,61 @@ def test_unreadable_config_files_are_config_errors(tmp_path):
     binary.write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(ConfigError, match="readable UTF-8"):
         load_config(str(binary))
+
+
+@pytest.mark.parametrize(("text", "guess"), [
+    ("64mb", "'64MiB' or '64MB'"), ("8gib", "'8GiB' or '8GB'"), ("8G", "'8GiB' or '8GB'"), ("2Ki", "'2KiB' or '2KB'"),
+    ("8 tIb", "'8TiB' or '8TB'"), ("1x", ""),
+])
+def test_a_size_unit_outside_the_documented_ones_is_refused_with_the_allowed_forms(text, guess):
+    """Issue 41: `64mb` was read as decimal megabytes without a word; units are taken as documented."""
+    with pytest.raises(ConfigError) as info:
+        load_config({"cpu_bytes": text})
+    message = str(info.value)
+    assert f"got {text!r}; allowed: a positive int (bytes) or a number with a unit, written in this case" in message
+    assert ("did you mean " + guess + "?") in message if guess else "did you mean" not in message
+
+
+def test_a_parsed_size_remembers_how_it_was_written():
+    cfg = load_config({"cpu_bytes": "8B", "disk": {"path": "d", "bytes": "2GiB"}})
+    assert cfg.cpu_bytes == 8 and written(cfg.cpu_bytes) == "8B"
+    assert cfg.disk.bytes == 2 * 2**30 and written(cfg.disk.bytes) == "2GiB"
+    assert written(load_config({"cpu_bytes": 4096}).cpu_bytes) == 4096
+
+
+@pytest.mark.parametrize(("data", "key", "guess"), [
+    ({"store_polcy": "lazy"}, "store_polcy", "'store_policy'"),
+    ({"cpu_bytes_to_us": "1GiB"}, "cpu_bytes_to_us", "'cpu_bytes_to_use'"),
+    ({"transfer": {"backnd": "cpu"}}, "transfer.backnd", "'backend'"),
+    ({"disk": {"path": "d", "byte": "1GiB"}}, "disk.byte", "'bytes'"),
+    ({"eviction": "LRU"}, "eviction", "'lru'"),
+])
+def test_a_near_miss_gets_did_you_mean(data, key, guess):
+    with pytest.raises(ConfigError) as info:
+        load_config(data)
+    assert info.value.key == key and f"did you mean {guess}?" in str(info.value)
+
+
+@pytest.mark.parametrize(("key", "instead"), [
+    ("kv_offloading_size", "cpu_bytes"), ("kv-offloading-size", "cpu_bytes"), ("kv_offloading_backend", "no such key"),
+    ("eviction_policy", "eviction: 'lru' | 'arc'"), ("block_size", "vLLM's --block-size"),
+])
+def test_vllms_own_offload_options_say_what_to_use_instead(key, instead):
+    with pytest.raises(ConfigError) as info:
+        load_config({key: 8})
+    message = str(info.value)
+    assert f"allowed: {instead}" in message or instead in message.split("allowed: ")[1]
+    assert f"{key} is an option of vLLM's own CPU offload, not of OffloadConnector" in message
+
+
+def test_an_error_from_a_file_names_the_file_or_says_the_key_was_left_at_its_default(tmp_path):
+    path = tmp_path / "offload.yaml"
+    path.write_text("eviction: lfu\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value).endswith(f"(in {path.resolve()})")
+    err = ConfigError("cpu_bytes", "8GiB", "<= 1 GiB here")
+    assert str(locate(err, [("kv_connector_extra_config", {}), ("/x/offload.yaml", {"eviction": "arc"})])).endswith(
+        "(not set in kv_connector_extra_config or /x/offload.yaml: the default)")
+    assert str(locate(err, [("kv_connector_extra_config", {"cpu_bytes_to_use": "8GiB"})])).endswith(
+        "(in kv_connector_extra_config)")  # vLLM's name for it

@@ -61,7 +61,7 @@ def test_a_tier_above_memavailable_is_refused_in_human_units() -> None:
     with pytest.raises(ConfigError) as err:
         check_host_memory(config, cap, ranks_on_host=1, available=22 * 2**30)
     message = str(err.value)
-    assert err.value.key == "cpu_bytes" and "'10 TiB'" in message and "<= 22 GiB" in message
+    assert err.value.key == "cpu_bytes" and "got '10TiB'" in message and "<= 22 GiB" in message  # as written
     assert "MemAvailable" in message and "MiB" not in message  # no per-block size in odd units
     check_host_memory(config, cap, ranks_on_host=1, available=None)  # the kernel does not say: no check
     check_host_memory(config, cap, ranks_on_host=1, available=cap.bytes_per_rank)  # exactly fits
@@ -101,7 +101,7 @@ def test_a_shared_pool_larger_than_dev_shm_is_refused_naming_cpu_bytes() -> None
     with pytest.raises(ConfigError) as err:
         check_shared_memory(config, shared, free=64 * 2**20)
     message = str(err.value)
-    assert err.value.key == "cpu_bytes" and "'1 GiB'" in message and "a pool <= 64 MiB here (64 blocks" in message
+    assert err.value.key == "cpu_bytes" and "got '1GiB'" in message and "a pool <= 64 MiB here (64 blocks" in message
     assert "--shm-size" in message and "/dev/shm, which has 64 MiB free" in message
     check_shared_memory(config, shared, free=None)  # no /dev/shm to judge: nothing checked
     check_shared_memory(config, capacity(config, 2**20, 16, world_size=2), free=0)  # no shared pool
@@ -182,7 +182,7 @@ def test_reading_a_model_config_names_the_file(tmp_path) -> None:
         read_hf_config(str(tmp_path / "missing.json"))
     bad = tmp_path / "config.json"
     bad.write_text("{nope")
-    with pytest.raises(ModelConfigError, match="a JSON file"):
+    with pytest.raises(ModelConfigError, match=r"--model-config: got .*config\.json' \(not JSON: .*; allowed: a model's config\.json"):
         read_hf_config(str(bad))
     bad.write_text(json.dumps(LLAMA3_8B))
     assert read_hf_config(str(bad))["num_key_value_heads"] == 8

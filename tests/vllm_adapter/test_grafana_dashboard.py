@@ -1,5 +1,5 @@
 """docs/grafana/offload-connector.json queries only series the connector exports, and every one of them
-exists from start-up.
+exists from start-up; every tier has panels; the names follow Prometheus' conventions.
 
 The exported series come from vLLM's real Prometheus logger (`PrometheusStatLogger`, the one vLLM's
 servers and `LLM` build) for a config that selects our connector, before any request: every sample name in
@@ -109,3 +109,22 @@ def test_every_series_exists_at_zero_before_any_request(exported: dict[str, floa
     expected = {PROM_PREFIX + name + "_total" for name in COUNTERS} | {PROM_PREFIX + name for name in GAUGES}
     assert set(ours) == expected
     assert all(value == 0 for value in ours.values())
+
+
+def test_every_tier_has_panels() -> None:
+    """The CPU tier and each lower tier (remote, disk) have panels of their own."""
+    from scheduler_side.tiers.registry import TIERS
+
+    exprs = expressions(json.loads(DASHBOARD.read_text()))
+    for tier in ("cpu", *TIERS):
+        assert any(f"vllm:offload_connector_{tier}_" in expr for expr in exprs), tier
+
+
+@pytest.mark.vllm
+def test_only_counters_end_in_total(exported: dict[str, float]) -> None:
+    """Prometheus keeps `_total` for counters: a gauge named `..._total` (cpu_blocks_total was one) reads as
+    a counter to rate() and to people. Our counter names get it from prometheus_client, once."""
+    from offload_connector.vllm.stats import COUNTERS, GAUGES
+
+    assert not [name for name in GAUGES if name.endswith("_total")]
+    assert not [name for name in COUNTERS if name.endswith("_total")]

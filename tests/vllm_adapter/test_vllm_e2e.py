@@ -241,7 +241,7 @@ def test_every_series_is_exported_with_capacity_occupancy_and_hit_rate(runs: dic
     prom, stats = runs[mode]["prom"], runs[mode]["stats"]
     assert set(prom) == {PROM_PREFIX + name for name in COUNTERS + GAUGES}
     assert prom[PROM_PREFIX + "num_failed_load_blocks"] == 0 and prom[PROM_PREFIX + "remote_errors"] == 0
-    assert prom[PROM_PREFIX + "cpu_blocks_total"] == 2047
+    assert prom[PROM_PREFIX + "cpu_capacity_blocks"] == 2047
     assert prom[PROM_PREFIX + "cpu_capacity_bytes"] == 2047 * 32768
     assert prom[PROM_PREFIX + "cpu_cached_bytes"] == prom[PROM_PREFIX + "cpu_blocks_cached"] * 32768 > 0
     assert prom[PROM_PREFIX + "cpu_hit_rate"] == round(stats["num_hit_tokens"] / stats["num_lookup_tokens"], 4) > 0

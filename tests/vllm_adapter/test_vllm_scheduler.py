@@ -131,7 +131,7 @@ def test_stats_and_kv_events_reach_vllm(mode: str) -> None:
     assert summary["num_loaded_blocks"] == counters.num_loaded_blocks == 3
     assert summary["num_hit_tokens"] == 48
     assert 0 < summary["cpu_hit_rate"] <= 1
-    assert summary["cpu_blocks_total"] == 31
+    assert summary["cpu_capacity_blocks"] == 31
     # 2. Stored blocks were published as BlockStored events with medium CPU.
     stored = [e for e in sim.kv_events if type(e).__name__ == "BlockStored"]
     assert len(stored) == counters.num_stored_blocks
@@ -153,6 +153,26 @@ def test_cpu_eviction_publishes_block_removed(mode: str) -> None:
     sim.assert_no_leaks()
 
 
+def test_the_capacity_reaches_vllm_before_any_request(mode: str) -> None:
+    """Issue 41: the capacity gauges read 0 until the first request, as an idle engine never stepped. The
+    connector asks vLLM for one step at start-up (`has_pending_push_work`), whose stats carry them."""
+    sim = Sim(mode=mode, num_gpu_blocks=6)
+    # 1. A fresh engine with no request: the connector asks for a step.
+    assert sim.sched.has_requests()
+    sim.run_until_idle()
+    # 2. That step's stats report carries the gauges, with no counter; then the engine is idle.
+    gauges = sim.stats.reduce()
+    assert gauges["cpu_capacity_blocks"] == 31 and gauges["cpu_capacity_bytes"] == 31 * sim.connector.shape.bytes_per_block
+    assert gauges["cpu_blocks_cached"] == 0 and not sim.stats.counters
+    assert not sim.sched.has_requests() and sim.step_no == 1
+    sim.assert_no_leaks()
+
+
+def test_metrics_off_asks_for_no_step_at_start_up() -> None:
+    sim = Sim(num_gpu_blocks=6, metrics=False)
+    assert not sim.sched.has_requests()
+
+
 def test_stats_reach_vllm_every_n_steps_and_when_quiet() -> None:
     """The tracker reports at the first step (so the capacity gauges are set from then, counters or not),
     then deltas every `every` steps (sums unchanged) and at once on `flush`."""
@@ -164,8 +184,8 @@ def test_stats_reach_vllm_every_n_steps_and_when_quiet() -> None:
     def values() -> tuple[int, ...]:
         return tuple(total)
 
-    first = tracker.take(values, lambda: {"cpu_blocks_total": 31})
-    assert first is not None and first.counters == {} and first.gauges == {"cpu_blocks_total": 31}
+    first = tracker.take(values, lambda: {"cpu_capacity_blocks": 31})
+    assert first is not None and first.counters == {} and first.gauges == {"cpu_capacity_blocks": 31}
     gauges = dict  # no gauges: only the counters matter from here
     reports = []
     for _ in range(10):

@@ -72,12 +72,12 @@ def test_a_tier_under_two_blocks_is_refused_and_a_gib_count_suggested(ours) -> N
         create(ours({"cpu_bytes": 8}))
     assert err.value.key == "cpu_bytes" and err.value.value == 8
     assert ">= 64 KiB" in str(err.value) and "2 blocks of 32 KiB" in str(err.value)
-    assert str(err.value).endswith("did you mean 8GiB?)")
+    assert str(err.value).endswith("did you mean 8GiB?) (in kv_connector_extra_config)")
 
 
 @pytest.mark.parametrize(("extra", "key", "shown"), [
-    ({"cpu_bytes": "10TiB"}, "cpu_bytes", "'10 TiB'"),
-    ({"cpu_bytes": 5 * GIB}, "cpu_bytes", "'5 GiB'"),
+    ({"cpu_bytes": "10TiB"}, "cpu_bytes", "'10TiB'"),  # as written
+    ({"cpu_bytes": 5 * GIB}, "cpu_bytes", str(5 * GIB)),
     ({"num_cpu_blocks": 200_000}, "num_cpu_blocks", "200000"),  # 200,000 x 32 KiB = 6.1 GiB
 ])
 def test_a_tier_above_memavailable_is_refused(extra: dict, key: str, shown: str) -> None:
@@ -86,7 +86,18 @@ def test_a_tier_above_memavailable_is_refused(extra: dict, key: str, shown: str)
     message = str(err.value)
     assert err.value.key == key and f"got {shown}" in message
     assert "this host's MemAvailable is 4 GiB" in message and "MiB" not in message
-    assert "kv_connector_extra_config" not in message or key in message
+    assert message.endswith("(in kv_connector_extra_config)")
+
+
+def test_a_default_the_host_cannot_hold_says_it_is_the_default(monkeypatch, tmp_path) -> None:
+    """Issue 41: every config error says where the key came from; one no source sets is the default."""
+    monkeypatch.setattr(plugin, "mem_available_bytes", lambda: 4 * GIB)
+    (tmp_path / "offload.yaml").write_text("eviction: arc\n")
+    with pytest.raises(ConfigError) as err:
+        create(offload({"config_file": str(tmp_path / "offload.yaml")}))
+    assert str(err.value).startswith("invalid config key 'cpu_bytes': got '8GiB'; allowed: <= 4 GiB here")
+    assert str(err.value).endswith(f"(not set in kv_connector_extra_config or {tmp_path.resolve() / 'offload.yaml'}: "
+                                   "the default)")
 
 
 def test_a_plausible_tier_passes() -> None:
@@ -197,16 +208,16 @@ def test_llm_prints_one_short_traceback_ending_in_the_error() -> None:
     out = _run([sys.executable, "-c", script])
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 1 and out.stderr.count("Traceback") == 1
-    assert re.fullmatch(r"offload_connector\.config\.ConfigError: invalid config key 'cpu_bytes': got 8; .*"
-                        r"did you mean 8GiB\?\)", lines[-1])
+    assert re.fullmatch(r"offload_connector\.config_errors\.ConfigError: invalid config key 'cpu_bytes': got 8; .*"
+                        r"did you mean 8GiB\?\) \(in kv_connector_extra_config\)", lines[-1])
     traceback = lines[next(i for i, line in enumerate(lines) if line.startswith("Traceback")):]
     assert len(traceback) <= 12  # the caller's frames and the message
     assert not any("[rank0]" in line or "EngineCore" in line for line in lines)  # no engine was started
 
 
 @pytest.mark.parametrize(("extra", "flags", "last"), [
-    ('{"cpu_bytes":"10TiB"}', [], r"ConfigError: invalid config key 'cpu_bytes': got '10 TiB'; allowed: <= .* "
-                                     r"here: this host's MemAvailable is .*"),
+    ('{"cpu_bytes":"10TiB"}', [], r"ConfigError: invalid config key 'cpu_bytes': got '10TiB'; allowed: <= .* "
+                                     r"here: this host's MemAvailable is .* \(in kv_connector_extra_config\)"),
     ("{}", ["--kv-offloading-size", "1"], r"UnsupportedSetupError: OffloadConnector: vLLM's kv_offloading_size=1\.0 .*"),
 ])
 def test_the_openai_server_exits_with_one_line(extra: str, flags: list[str], last: str) -> None:
@@ -230,6 +241,6 @@ def test_the_connector_checks_memavailable_itself_before_building_blocks(monkeyp
     import offload_connector.vllm.connector as vllm_connector
 
     monkeypatch.setattr(vllm_connector, "mem_available_bytes", lambda: GIB)
-    with pytest.raises(ConfigError, match=r"got '2 GiB'; allowed: <= 1 GiB here: this host's MemAvailable is 1 GiB"):
+    with pytest.raises(ConfigError, match=r"got '2GiB'; allowed: <= 1 GiB here: this host's MemAvailable is 1 GiB"):
         Sim(num_gpu_blocks=8, num_cpu_blocks=None, cpu_bytes="2GiB")
     Sim(num_gpu_blocks=8, num_cpu_blocks=None, cpu_bytes="1MiB").assert_no_leaks()
