@@ -158,24 +158,25 @@ def _unknown_key(path: list[str], name: str, value: Any) -> ConfigError:
     return ConfigError(key, value, allowed, "unknown key", guess=repr(close[0]) if close else "")
 
 
+def _size_or_off(key: str, value: int | str, off: str) -> int:
+    """A size key where 0 turns something off: the bytes, or ConfigError naming 0 among the allowed values."""
+    if value in (0, "0"):
+        return 0
+    try:
+        return int(parse_size(key, value))
+    except ConfigError as exc:
+        raise ConfigError(exc.key, exc.value, f"{exc.allowed}, or 0 ({off})", exc.detail, guess=exc.guess) from None
+
+
 def _validate(cfg: OffloadConfig) -> OffloadConfig:
     cfg.cpu_bytes = parse_size("cpu_bytes", cfg.cpu_bytes)
     t = cfg.transfer
     if not set(t.kernel_directions) <= {"load", "store"} or len(set(t.kernel_directions)) != len(t.kernel_directions):
         raise ConfigError("transfer.kernel_directions", list(t.kernel_directions),
                           "a list of distinct directions out of 'load', 'store', or [] (DMA only)")
-    if t.kernel_max_segment_bytes not in (0, "0"):
-        try:
-            t.kernel_max_segment_bytes = parse_size("transfer.kernel_max_segment_bytes", t.kernel_max_segment_bytes)
-        except ConfigError as exc:
-            raise ConfigError(exc.key, exc.value, exc.allowed + ", or 0 (kernel off)") from None
-    t.kernel_max_segment_bytes = int(t.kernel_max_segment_bytes)
-    if t.staging_bytes not in (0, "0"):
-        try:
-            t.staging_bytes = parse_size("transfer.staging_bytes", t.staging_bytes)
-        except ConfigError as exc:
-            raise ConfigError(exc.key, exc.value, exc.allowed + ", or 0 (staged copies off)") from None
-    t.staging_bytes = int(t.staging_bytes)
+    t.kernel_max_segment_bytes = _size_or_off("transfer.kernel_max_segment_bytes", t.kernel_max_segment_bytes,
+                                              "kernel off")
+    t.staging_bytes = _size_or_off("transfer.staging_bytes", t.staging_bytes, "staged copies off")
     if cfg.engine.sliding_window is not None:  # the fake engine's hybrid mode (two KV-cache groups)
         if cfg.engine.num_layers < 2:
             raise ConfigError("engine.num_layers", cfg.engine.num_layers, ">= 2 with engine.sliding_window",
