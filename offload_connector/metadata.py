@@ -113,6 +113,8 @@ class WorkerReport(msgspec.Struct, kw_only=True):
     expired_load_events: list[int] = msgspec.field(default_factory=list)
     ended_load_events: list[int] = msgspec.field(default_factory=list)
     tiers: list[TierReport] = msgspec.field(default_factory=list)  # lower tiers with news (none empty)
+    # Reported jobs by the copy path they took (the CUDA backend: staged, kernel, batch, per_segment, pageable)
+    jobs_by_path: dict[str, int] = msgspec.field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -41,6 +41,18 @@ from scheduler_side.transfers import ExpiredLoad, Transfers
 logger = logging.getLogger("scheduler_side.scheduler")
 
 
+
+_PATH_COUNTERS = {"staged": "num_staged_jobs", "kernel": "num_kernel_jobs", "batch": "num_dma_jobs",
+                  "per_segment": "num_dma_jobs", "pageable": "num_dma_jobs"}
+
+
+def count_paths(stats: SchedulerStats, jobs_by_path: dict[str, int]) -> None:
+    """Add a worker report's jobs to the copy-path counters (a path we do not know is not counted)."""
+    for path, n in jobs_by_path.items():
+        counter = _PATH_COUNTERS.get(path)
+        if counter is not None:
+            setattr(stats, counter, getattr(stats, counter) + n)
+
 class Completions:
     def __init__(self, transfers: Transfers, cpu_pool: BlockPool, gpu_pool: GpuPool, policy: StorePolicy,
                  stats: SchedulerStats, kv_events: KVEventLog, tiers: dict[str, LowerTier], world_size: int) -> None:
@@ -62,6 +74,8 @@ class Completions:
             stats.bytes_loaded += report.bytes_loaded
             stats.store_seconds += report.store_seconds
             stats.load_seconds += report.load_seconds
+            if report.jobs_by_path:
+                count_paths(stats, report.jobs_by_path)
             failed = set(report.failed_load_gpu_blocks)  # blocks of this report's loads that failed
             stats.num_failed_load_blocks += len(failed)
             for event_id in report.expired_load_events:  # before its requests: their jobs may complete now

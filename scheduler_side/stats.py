@@ -30,6 +30,9 @@ class SchedulerStats:
     num_demoted_blocks: int = 0  # CPU copies moved to the eviction end by a session close
     num_closed_sessions: int = 0
     num_bad_hints: int = 0  # requests whose kv_transfer_params hints were malformed (ignored)
+    num_staged_jobs: int = 0  # copy jobs (all ranks) by the CUDA backend's staged path
+    num_dma_jobs: int = 0  # by DMA straight between the KV cache and the host pool (batched, per segment, pageable)
+    num_kernel_jobs: int = 0  # by the direct block-copy kernel
     bytes_stored: int = 0
     bytes_loaded: int = 0
     store_seconds: float = 0.0

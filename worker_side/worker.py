@@ -272,6 +272,8 @@ class OffloadWorker:
             if rec is None:
                 raise WorkerInvariantError(f"backend reported job {r.job_id}, which is not in flight (our bug)")
             seconds = max(0.0, r.finished_at - rec.submitted_at)
+            if r.path:
+                report.jobs_by_path[r.path] = report.jobs_by_path.get(r.path, 0) + 1
             if rec.expired:  # reported failed at its deadline; its copy is over only now
                 report.ended_load_events.append(rec.event_id)
             elif rec.kind == "load":

@@ -473,3 +473,26 @@ def test_a_random_fill_is_not_zero() -> None:  # the round trips above compare r
     rt = SimCudaRuntime(seed=0)
     t = random_fill(rt.alloc_device((64,), torch.float16), 1)
     assert t.view(torch.uint8).count_nonzero() > 100
+
+
+# ---- 7. what the metrics say -----------------------------------------------------------------------------------
+def test_reports_count_jobs_by_the_path_they_took() -> None:
+    """Each rank's report says how many of its reported jobs took each path; the scheduler side sums the
+    ranks into the counters vLLM exports (num_staged_jobs, num_dma_jobs, num_kernel_jobs)."""
+    from offload_connector.metadata import WorkerReport
+    from scheduler_side.completions import count_paths
+    from scheduler_side.stats import SchedulerStats
+
+    rt = SimCudaRuntime(seed=0)
+    kv = make_kv(rt, "kv_first", num_layers=2)
+    w = staged_worker(rt, kv, 12, ring_entries=8)  # a 3-block job fits the ring; a second one waits for room
+    w.start_store(TransferMetadata(store_event=1, store_gpu_blocks=[1, 2, 3], store_cpu_blocks=[1, 2, 3]))
+    w.start_store(TransferMetadata(store_event=2, store_gpu_blocks=[4, 5, 6], store_cpu_blocks=[4, 5, 6]))
+    w.wait_all()
+    report = w.get_finished()
+    assert report.jobs_by_path == {"staged": 1, "batch": 1}
+    stats = SchedulerStats()
+    count_paths(stats, report.jobs_by_path)
+    count_paths(stats, WorkerReport(rank=1, jobs_by_path={"staged": 2, "kernel": 1, "pageable": 1}).jobs_by_path)
+    assert (stats.num_staged_jobs, stats.num_dma_jobs, stats.num_kernel_jobs) == (3, 2, 1)
+    w.shutdown()

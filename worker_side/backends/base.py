@@ -57,6 +57,7 @@ class JobResult:
     error: str | None = None
     finished_at: float = 0.0  # time.perf_counter() when the copies completed
     extra: dict[str, float] = field(default_factory=dict)
+    path: str = ""  # the copy path it took (CUDA: staged, kernel, batch, per_segment, pageable; "" elsewhere)
 
     @property
     def ok(self) -> bool:

@@ -303,9 +303,10 @@ class CudaBackend(TransferBackend):
                 segs = self.paths.segments(job.kind, job.src_ids, job.dst_ids)
                 entry.ticket = self._copier.submit(segs, stream, entry.done, self._jobs.done_events(job.after))
                 self.paths.num_jobs_by_path["pageable"] += 1
+                entry.path = "pageable"
             else:
                 self._wait_for_jobs(job.after, stream)
-                entry.ring_entries, done_stream = self.paths.enqueue(job, stream, self.policy)
+                entry.ring_entries, done_stream, entry.path = self.paths.enqueue(job, stream, self.policy)
         except WorkerInvariantError:
             raise
         except Exception as exc:  # CudaError, or what the bindings raise for a code they cannot name
@@ -348,7 +349,7 @@ class CudaBackend(TransferBackend):
             self.paths.release(f.job.kind, f.ring_entries)  # the job completed: the kernel has read its ids
         error = f.error or (f.ticket.error if f.ticket is not None else None)
         failed = tuple(int(i) for i in f.job.dst_ids) if error else ()
-        return JobResult(f.job.job_id, failed, error, time.perf_counter())
+        return JobResult(f.job.job_id, failed, error, time.perf_counter(), path=f.path)
 
     def _complete(self, f: InFlight) -> bool:
         return f.issued() and self.rt.query_event(f.done)

@@ -80,15 +80,16 @@ class CopyPaths:
     def segments(self, kind: JobKind, src_ids: np.ndarray, dst_ids: np.ndarray) -> Segments:
         return self.geometry[kind].segments(src_ids, dst_ids)
 
-    def enqueue(self, job: CopyJob, stream: Stream, policy: KernelPolicy) -> tuple[int, Stream]:
-        """Submit the job's copies by the policy's path; returns the ring entries it holds until it completes
-        and the stream to record its completion on (`stream`, except for a staged load)."""
+    def enqueue(self, job: CopyJob, stream: Stream, policy: KernelPolicy) -> tuple[int, Stream, str]:
+        """Submit the job's copies by the policy's path; returns the ring entries it holds until it completes,
+        the stream to record its completion on (`stream`, except for a staged load) and the path (`PATHS`)."""
         if self.staged is not None and policy.use_staged(job.kind, len(job.src_ids)):
             staged = self.stage(job, stream)
             if staged is not None:  # None: the argument ring is full; this job goes another way
                 self.num_jobs_by_path["staged"] += 1
-                return staged
-        return self._enqueue_direct(job, stream, policy), stream
+                return (*staged, "staged")
+        entries, path = self._enqueue_direct(job, stream, policy)
+        return entries, stream, path
 
     def stage(self, job: CopyJob, stream: Stream) -> tuple[int, Stream] | None:
         """The job by the staged path: (ring entries held, completion stream), None when the ring is full."""
@@ -112,7 +113,7 @@ class CopyPaths:
             self.num_copy_calls += 2 * (self.staged.num_chunks - before)
         return entries, done_stream
 
-    def _enqueue_direct(self, job: CopyJob, stream: Stream, policy: KernelPolicy) -> int:
+    def _enqueue_direct(self, job: CopyJob, stream: Stream, policy: KernelPolicy) -> tuple[int, str]:
         geometry = self.geometry[job.kind]
         src_ids, dst_ids = job.src_ids, job.dst_ids
         runs = geometry.runs(src_ids, dst_ids)
@@ -122,9 +123,10 @@ class CopyPaths:
             entries = self.launch(job.kind, src_ids, dst_ids, stream)
             if entries is not None:  # None: the ring is full; this job goes by DMA below
                 self.num_jobs_by_path["kernel"] += 1
-                return entries
-        self.num_jobs_by_path[self.dma(job.kind, src_ids, dst_ids, runs, stream)] += 1
-        return 0
+                return entries, "kernel"
+        path = self.dma(job.kind, src_ids, dst_ids, runs, stream)
+        self.num_jobs_by_path[path] += 1
+        return 0, path
 
     def issue(self, kind: JobKind, path: str, src_ids: np.ndarray, dst_ids: np.ndarray,
               stream: Stream) -> tuple[int, Stream]:

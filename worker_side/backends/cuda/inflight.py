@@ -25,6 +25,7 @@ class InFlight:
     ring_entries: int  # kernel-argument entries the job holds until `done` fired
     error: str | None = None  # the job failed at submission (its result says so)
     ticket: Ticket | None = None  # pageable jobs: set once the copy thread issued them
+    path: str = ""  # the copy path the job took (copy_paths.PATHS)
 
     def issued(self) -> bool:
         return self.ticket is None or self.ticket.issued.is_set()
