@@ -26,6 +26,7 @@ from offload_connector.metadata import TransferMetadata
 from worker_side import OffloadWorker
 from worker_side.backends.cpu import CpuBackend
 from worker_side.backends.cuda.backend import CudaBackend
+from worker_side.backends.cuda.calibration import STAGED_TIE
 from worker_side.backends.cuda.staging import NUM_SLOTS, StagedPath, StagingPlan
 from worker_side.block_layout import tensor_block_view
 from worker_side.host_pool import BLOCKS, PLANES, merges_across_tensors
@@ -463,8 +464,8 @@ def test_calibration_stages_small_segments_and_keeps_dma_for_whole_blocks() -> N
         assert {m.kind for m in measured} == {"load", "store"}
         for kind in ("load", "store"):
             assert (kind in backend.policy.staged) == staged, (layout, backend.policy.describe())
-        for m in measured:
-            assert m.staged_wins == (m.staged_s < m.direct_s)
+        for m in measured:  # a tie (within STAGED_TIE) goes to staging: less host time per job
+            assert m.staged_wins == (m.staged_s <= m.direct_s * (1 + STAGED_TIE))
         assert rt.faults == []
         w.shutdown()
 
