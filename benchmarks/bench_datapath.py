@@ -9,9 +9,9 @@ JSON: `store_vs_memcpy` / `load_vs_memcpy` (min over sizes, `runs`), `*_scattere
 
 `--backend cuda-sim`: the CUDA backend on the simulated device (worker_side.testing.cuda_sim), a Llama-8B-like KV
 cache (32 layers, 8 KV heads of 128, fp16, 16-token blocks: 2 MiB a block) in each layout (block first, K/V
-first, head-major LHBNC), 1 to 1024 blocks per job, runs and scattered ids, under two copy policies:
-`default` (the configuration's: the kernel for loads of small segments, batched DMA otherwise; no
-calibration) and `kernel_both` (every job by the kernel).
+first, head-major LHBNC), 1 to 1024 blocks per job, runs and scattered ids, under three copy policies:
+`default` (the configuration's: staged both ways; no calibration), `dma` (batched DMA only) and
+`kernel_both` (every job by the direct kernel).
 Per policy, `copy_calls_per_job`: copy or kernel-launch calls the backend made per job (max over everything);
 `host_us_per_job`: per block count, Python time on the calling thread per `start_*` (the worker's checks
 of the metadata's id lists included; min over reps, the simulator's own time subtracted; max over layouts,
@@ -110,10 +110,11 @@ def sim_layout(layout: str, num_blocks: int, rt) -> tuple[dict[str, torch.Tensor
     return {f"l{i}": one() for i in range(32)}, ("LHBNC" if layout == "LHBNC" else None)
 
 
-SIM_POLICIES = {  # the configuration's defaults (vLLM's: the kernel for loads of small segments), and the kernel for both
+SIM_POLICIES = {  # the configuration's defaults (staged both ways), DMA only, and the direct kernel for both
     "default": {},
+    "dma": {"staging_bytes": 0},
     "kernel_both": {"kernel_directions": ("load", "store"), "kernel_max_segment_bytes": 1 << 30,
-                    "kernel_min_segments": 1},
+                    "kernel_min_segments": 1, "staging_bytes": 0},
 }
 
 
@@ -134,7 +135,8 @@ def bench_cuda_sim_policy(reps: int, seed: int, policy: str) -> dict:
     event = iter(range(1, 1 << 30))
     t = load_config(None).transfer  # the configuration's defaults, without the calibration
     options = {"kernel_directions": t.kernel_directions, "kernel_max_segment_bytes": int(t.kernel_max_segment_bytes),
-               "kernel_min_segments": t.kernel_min_segments, **SIM_POLICIES[policy]}
+               "kernel_min_segments": t.kernel_min_segments, "staging_bytes": int(t.staging_bytes),
+               **SIM_POLICIES[policy]}
     for layout in SIM_LAYOUTS:
         # nothing runs inside a timed call; copies are checked but move no bytes (2 GiB per job at 1024 blocks)
         rt = SimCudaRuntime(schedule="random", seed=seed, burst=0, copy_bytes=False)

@@ -377,7 +377,7 @@ def test_the_ring_is_allocated_once_at_bind_and_named_in_the_startup_line(caplog
     assert w.bytes_per_block == 512 and plan == StagingPlan(512, 16)  # 64 KiB / 8 slots / 512 bytes
     lines = [r.getMessage() for r in caplog.records if "copy paths" in r.getMessage()]
     assert lines == ["offload: copy paths on device 0: load: staged; store: staged; staging ring 64 KiB of GPU "
-                     "memory (4 slots of 16 blocks = 8 KiB each way)"], lines
+                     "memory (4 slots of 16 blocks, 8 KiB each, per direction)"], lines
     allocations = rt.calls["alloc_device"]
     round_trip(rt, w, kv, gpu=[1, 2, 3], cpu=[4, 5, 6], targets=[7, 8, 9])
     assert rt.calls["alloc_device"] == allocations  # nothing allocated per job

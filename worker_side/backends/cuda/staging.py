@@ -76,7 +76,7 @@ class StagingPlan:
 
     def describe(self) -> str:
         return (f"{format_bytes(2 * self.ring_bytes)} of GPU memory ({self.num_slots} slots of {self.slot_blocks} "
-                f"blocks = {format_bytes(self.slot_blocks * self.bytes_per_block)} each way)")
+                f"blocks, {format_bytes(self.slot_blocks * self.bytes_per_block)} each, per direction)")
 
 
 @dataclass(slots=True)
