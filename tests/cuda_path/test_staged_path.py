@@ -50,6 +50,13 @@ def staged_worker(rt: SimCudaRuntime, kv: dict[str, torch.Tensor], num_gpu_block
     return w
 
 
+def sim_staged(seed: int, schedule: str = "copy_first", burst: int = 0, slot_blocks: int = 1):
+    """A simulated device, a 2-layer K/V-first cache of 12 blocks and a worker staging through it."""
+    rt = SimCudaRuntime(schedule=schedule, seed=seed, burst=burst)
+    kv = make_kv(rt, "kv_first", num_layers=2)
+    return rt, kv, staged_worker(rt, kv, 12, slot_blocks=slot_blocks)
+
+
 # ---- 1. bytes ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -138,9 +145,7 @@ def _stale_stores(seeds: range) -> int:
     host blocks got the bytes from before the forward."""
     stale = 0
     for seed in seeds:
-        rt = SimCudaRuntime(schedule="copy_first", seed=seed, burst=0)
-        kv = make_kv(rt, "kv_first", num_layers=2)
-        w = staged_worker(rt, kv, 12, slot_blocks=1)
+        rt, kv, w = sim_staged(seed)
         w.begin_step()
         tensors = list(kv.values())
         rt.launch_host_work(rt.compute_stream(), lambda tensors=tensors: [t[:, 1:5].fill_(3.0) for t in tensors])
@@ -217,9 +222,7 @@ def _store_after_load_wrong(seeds: range) -> int:
     store's chunks take turns on the copy stream and its helper). Runs whose load read the new bytes."""
     wrong = 0
     for seed in seeds:
-        rt = SimCudaRuntime(schedule="copy_lag", seed=seed, burst=0)  # nothing runs until waited for
-        kv = make_kv(rt, "kv_first", num_layers=2)
-        w = staged_worker(rt, kv, 12, slot_blocks=1)
+        rt, kv, w = sim_staged(seed, "copy_lag")  # burst 0: nothing runs until waited for
         views = w._views
         w.begin_step()
         w.start_store(TransferMetadata(store_event=1, store_gpu_blocks=[1, 2, 3, 4], store_cpu_blocks=[5, 6, 7, 8]))
@@ -244,9 +247,7 @@ def _reported_store_wrong(seeds: range) -> int:
     """Runs where a staged store was reported done while a host block it writes did not hold its bytes yet."""
     wrong = 0
     for seed in seeds:
-        rt = SimCudaRuntime(schedule="copy_lag", seed=seed, burst=2)
-        kv = make_kv(rt, "kv_first", num_layers=2)
-        w = staged_worker(rt, kv, 12, slot_blocks=1)
+        rt, kv, w = sim_staged(seed, "copy_lag", burst=2)
         expected = [torch.cat([v.block_tensor(b) for v in w._views]) for b in (1, 2, 3, 4)]
         w.begin_step()
         w.start_store(TransferMetadata(store_event=1, store_gpu_blocks=[1, 2, 3, 4], store_cpu_blocks=[5, 6, 7, 8]))
@@ -309,9 +310,7 @@ def _early_scatters(seeds: range) -> int:
     reader saw the loaded bytes instead of the old ones."""
     early = 0
     for seed in seeds:
-        rt = SimCudaRuntime(schedule="copy_first", seed=seed, burst=0)
-        kv = make_kv(rt, "kv_first", num_layers=2)
-        w = staged_worker(rt, kv, 12, slot_blocks=2)
+        rt, kv, w = sim_staged(seed, slot_blocks=2)
         w.begin_step()
         w.start_store(TransferMetadata(store_event=1, store_gpu_blocks=[1], store_cpu_blocks=[3]))
         w.wait_all()

@@ -285,24 +285,30 @@ class SimCudaRuntime:
             self.kernel_grids.append(min(num_planes * num_blocks, max(1, min(self.kernel_max_sms, self.sms))))
             planes_now = read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)
             seconds = self.timing.kernel_seconds(int(planes_now[:, 4].sum()) * num_blocks)
-
-            def run() -> None:  # the kernel reads its plane table and block ids now, when it runs
-                if not self.copy_bytes:
-                    return
-                planes = read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)[:, :, None]
-                ids = read_int64(ids_ptr, 2 * num_blocks)
-                src_ids, dst_ids = ids[:num_blocks], ids[num_blocks:]
-                segs = Segments((planes[:, 1] + dst_ids * planes[:, 3]).ravel(),
-                                (planes[:, 0] + src_ids * planes[:, 2]).ravel(),
-                                np.broadcast_to(planes[:, 4], (num_planes, num_blocks)).ravel().copy())
-                fault = self.memory.copy_fault("block-copy kernel", device, segs)
-                if fault is None:
-                    run_segments(segs)
-                else:
-                    self._fault(fault)
-
-            self._queues.push(stream, SimWork("kernel", run=run, seconds=seconds))
+            self._push_table_kernel(stream, device, "block-copy kernel", planes_ptr, num_planes, ids_ptr,
+                                    ids_ptr + 8 * num_blocks, num_blocks, self.memory.copy_fault, seconds)
         self.self_time += time.perf_counter() - t0
+
+    def _push_table_kernel(self, stream: SimStream, device: int, what: str, planes_ptr: int, num_planes: int,
+                           src_ids_ptr: int, dst_ids_ptr: int, num_blocks: int,
+                           fault_of: Callable[[str, int, Segments], str | None], seconds: float) -> None:
+        """Queue a kernel that reads its plane table and block ids when it runs (not at launch) and copies
+        chunk p of every block pair, unless `fault_of` finds a segment CUDA would fault on."""
+        def run() -> None:
+            if not self.copy_bytes:
+                return
+            planes = read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)[:, :, None]
+            src_ids, dst_ids = read_int64(src_ids_ptr, num_blocks), read_int64(dst_ids_ptr, num_blocks)
+            segs = Segments((planes[:, 1] + dst_ids * planes[:, 3]).ravel(),
+                            (planes[:, 0] + src_ids * planes[:, 2]).ravel(),
+                            np.broadcast_to(planes[:, 4], (num_planes, num_blocks)).ravel().copy())
+            fault = fault_of(what, device, segs)
+            if fault is None:
+                run_segments(segs)
+            else:
+                self._fault(fault)
+
+        self._queues.push(stream, SimWork("kernel", run=run, seconds=seconds))
 
     def launch_staged_copy(self, planes_ptr: int, num_planes: int, src_ids_ptr: int, dst_ids_ptr: int,
                            num_blocks: int, stream: SimStream, max_blocks: int) -> None:
@@ -326,22 +332,8 @@ class SimCudaRuntime:
             self.kernel_grids.append(min(-(-num_planes * num_blocks // 8), max(1, min(max_blocks, self.sms))))
             planes_now = read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)
             seconds = self.timing.device_copy_seconds(int(planes_now[:, 4].sum()) * num_blocks)
-
-            def run() -> None:  # reads its plane table and block ids now, when it runs
-                if not self.copy_bytes:
-                    return
-                planes = read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)[:, :, None]
-                src_ids, dst_ids = read_int64(src_ids_ptr, num_blocks), read_int64(dst_ids_ptr, num_blocks)
-                segs = Segments((planes[:, 1] + dst_ids * planes[:, 3]).ravel(),
-                                (planes[:, 0] + src_ids * planes[:, 2]).ravel(),
-                                np.broadcast_to(planes[:, 4], (num_planes, num_blocks)).ravel().copy())
-                fault = self.memory.device_copy_fault("staged-copy kernel", device, segs)
-                if fault is None:
-                    run_segments(segs)
-                else:
-                    self._fault(fault)
-
-            self._queues.push(stream, SimWork("kernel", run=run, seconds=seconds))
+            self._push_table_kernel(stream, device, "staged-copy kernel", planes_ptr, num_planes, src_ids_ptr,
+                                    dst_ids_ptr, num_blocks, self.memory.device_copy_fault, seconds)
         self.self_time += time.perf_counter() - t0
 
     def alloc_device_bytes(self, nbytes: int) -> torch.Tensor:
