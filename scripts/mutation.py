@@ -360,7 +360,7 @@ def run_planted_mutant(name: str, entry: dict) -> str | None:
                               text=True, check=False)
     if proc.returncode == 0:
         return None
-    failed = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("FAILED ")]
+    failed = [line[len("FAILED "):].split(" - ")[0] for line in proc.stdout.splitlines() if line.startswith("FAILED ")]
     if proc.returncode != 1 or not failed:
         raise SystemExit(f"planted mutant {entry['name']!r}: pytest exited {proc.returncode} without a failing "
                          f"test:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}")

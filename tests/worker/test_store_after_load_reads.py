@@ -14,11 +14,14 @@ import time
 
 import numpy as np
 import pytest
+import torch
+from cudasim_helpers import make_kv, sim_worker
 from worker_helpers import block_bytes, load, make_worker, next_report, store
 
 from offload_connector.metadata import TransferMetadata
 from worker_side import CpuBackend
 from worker_side.load_reads import LoadReads
+from worker_side.testing.cuda_sim import SimCudaRuntime
 from worker_side.testing.faults import FaultyBackend
 
 
@@ -151,3 +154,39 @@ def test_a_load_the_backend_refused_reads_nothing(monkeypatch):
     w.wait_all()
     assert w.get_finished().completed_store_events == [1] and w.num_stores_held_for_loads == 0
     w.shutdown()
+
+
+@pytest.mark.cudasim
+@pytest.mark.parametrize("check", [True, False])
+def test_on_the_simulated_gpu_a_later_steps_store_waits_for_the_load(monkeypatch: pytest.MonkeyPatch,
+                                                                      check: bool) -> None:
+    """Twelve seeded schedules that let copies queue up and run in any order the streams allow: step 1 loads
+    slots 3, 4 (its copy may still be queued at step 2), step 2 stores other blocks into them without
+    `store_after_load`. With the worker's check every load brings back the old bytes; without it (the
+    planted bug) some schedule lets the store go first."""
+    if not check:
+        monkeypatch.setattr(LoadReads, "readers", lambda self, cpu_block_ids: ())
+    wrong = held = 0
+    for seed in range(12):
+        rt = SimCudaRuntime(schedule="copy_lag", seed=seed)
+        kv = make_kv(rt, "block_first")
+        w = sim_worker(rt, kv, num_gpu_blocks=12)
+        views = w._views
+        old = [[v.block_tensor(b).clone() for v in views] for b in (1, 2)]
+        w.begin_step()
+        w.start_store(store(0, [1, 2], [3, 4]))
+        w.wait_all()
+        w.get_finished()
+        w.begin_step()
+        w.start_load(load(1, [7, 8], [3, 4], ["r"]))
+        w.get_finished()  # (polls: the load may still be queued)
+        w.begin_step()
+        w.start_store(store(1, [5, 6], [3, 4]))
+        w.wait_all()
+        w.get_finished()
+        got = [[v.block_tensor(b) for v in views] for b in (7, 8)]
+        wrong += any(not torch.equal(a, b) for x, y in zip(got, old, strict=True) for a, b in zip(x, y, strict=True))
+        held += w.num_stores_held_for_loads
+        w.shutdown()
+        assert rt.faults == []
+    assert (wrong == 0 and held > 0) if check else (wrong > 0 and held == 0), (wrong, held)
