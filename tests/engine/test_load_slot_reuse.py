@@ -16,8 +16,7 @@ import time
 
 import msgspec
 import pytest
-import torch
-from cudasim_helpers import caught, make_kv, sim_worker
+from cudasim_helpers import caught, slots_swapped_on_sim
 from remote_helpers import reference_outputs
 from worker_helpers import block_bytes, make_worker, next_report, store
 
@@ -30,7 +29,6 @@ from worker_side import CpuBackend, OffloadWorker
 from worker_side.backends.cuda.backend import CudaBackend
 from worker_side.errors import WorkerInvariantError
 from worker_side.load_reads import LoadReads
-from worker_side.testing.cuda_sim import SimCudaRuntime
 from worker_side.testing.faults import FaultyBackend
 
 
@@ -91,28 +89,15 @@ def test_on_the_simulated_gpu_the_store_stream_waits_for_the_load(monkeypatch: p
     some schedule lets the store go first."""
     if not wait:
         monkeypatch.setattr(CudaBackend, "_wait_for_jobs", lambda self, job_ids, stream: None)
-    wrong = 0
-    for seed in range(12):
-        rt = SimCudaRuntime(schedule="copy_lag", seed=seed)
-        kv = make_kv(rt, "block_first")
-        w = sim_worker(rt, kv, num_gpu_blocks=12)
-        views = w._views
-        old = [[v.block_tensor(b).clone() for v in views] for b in (1, 2)]
-        w.begin_step()
-        w.start_store(TransferMetadata(store_event=0, store_gpu_blocks=[1, 2], store_cpu_blocks=[3, 4]))
-        w.wait_all()
-        w.get_finished()
+
+    def swap(w: OffloadWorker) -> None:
         w.begin_step()
         meta = TransferMetadata(load_event=1, load_gpu_blocks=[7, 8], load_cpu_blocks=[3, 4], load_event_reqs=["r"],
                                 store_event=1, store_gpu_blocks=[5, 6], store_cpu_blocks=[3, 4], store_after_load=True)
         w.start_load(meta)
         w.start_store(meta)
-        w.wait_all()
-        w.get_finished()
-        got = [[v.block_tensor(b) for v in views] for b in (7, 8)]
-        wrong += any(not torch.equal(a, b) for x, y in zip(got, old, strict=True) for a, b in zip(x, y, strict=True))
-        w.shutdown()
-        assert rt.faults == []
+
+    wrong = sum(not slots_swapped_on_sim(seed, swap)[0] for seed in range(12))
     assert (wrong == 0) if wait else (wrong > 0), wrong
 
 

@@ -11,22 +11,22 @@ scheduler's `check_integrity` names such a block (the stores-and-reads invariant
 from __future__ import annotations
 
 import pytest
-from helpers import (
-    FakeRequest,
-    admit,
-    make_scheduler,
-    put_under_pressure,
-    report,
-    step_done,
-    store_and_finish,
-)
+from helpers import FakeRequest, admit, make_scheduler, put_under_pressure, report, step_done
 
 from offload_connector.hashing import with_group_id
-from scheduler_side import SchedulerError
+from scheduler_side import BlockPool, OffloadScheduler, SchedulerError
 from scheduler_side.request_state import LoadJob
 
 BS = 4
 PREFIX = list(range(9))  # two full blocks and one token to compute
+
+
+def computed_and_freed(sched: OffloadScheduler, gpu: BlockPool, req: FakeRequest, gpu_ids: list[int]) -> None:
+    """The engine's side of a finish after computing `req`: its full blocks stay cached on the GPU, free."""
+    sched.request_finished(req)
+    for gpu_id, h in zip(gpu_ids, req.block_hashes, strict=False):
+        gpu.cache(gpu.blocks[gpu_id], with_group_id(h))
+    gpu.free([gpu.blocks[i] for i in reversed(gpu_ids)])
 
 
 def prefix_loading_and_unsaved_blocks():
@@ -39,10 +39,7 @@ def prefix_loading_and_unsaved_blocks():
     a = FakeRequest("A", PREFIX, BS)
     _, _, a_ids = admit(sched, gpu, a)
     sched.build_connector_meta([step_done("A", a_ids, 9)])
-    sched.request_finished(a)
-    for gpu_id, h in zip(a_ids, a.block_hashes, strict=False):
-        gpu.cache(gpu.blocks[gpu_id], with_group_id(h))
-    gpu.free([gpu.blocks[i] for i in reversed(a_ids)])
+    computed_and_freed(sched, gpu, a, a_ids)
     meta = sched.build_connector_meta([])  # A's blocks lie on the frontier: saved now
     sched.update_connector_output(report(completed_store_events=[meta.store_event]))
     for block in list(gpu.free_queue):  # the GPU evicts them
@@ -55,10 +52,7 @@ def prefix_loading_and_unsaved_blocks():
     load_b = sched.build_connector_meta([step_done("D", d_ids, 9)])
     assert load_b.load_event_reqs == ["B"] and load_b.store_event is None
     # 2. D finishes: its computed blocks are cached on the GPU, unsaved, held for the next store event
-    sched.request_finished(d)
-    for gpu_id, h in zip(d_ids, d.block_hashes, strict=False):
-        gpu.cache(gpu.blocks[gpu_id], with_group_id(h))
-    gpu.free([gpu.blocks[i] for i in reversed(d_ids)])
+    computed_and_freed(sched, gpu, d, d_ids)
     return sched, gpu, load_b
 
 
@@ -116,16 +110,13 @@ def test_check_integrity_names_a_store_over_a_block_a_load_reads():
     """The invariant's own check, on a store event planted over the first CPU block of B's load in flight:
     refused; allowed once B's load has lent that slot (it alone reads it); refused again once C's pending
     hit holds the block too."""
-    sched, gpu = make_scheduler(num_gpu_blocks=16, num_cpu_blocks=8, block_size=BS, max_store_wait_steps=0)
-    store_and_finish(sched, gpu, FakeRequest("A", PREFIX, BS))
-    _, _, b_ids = admit(sched, gpu, FakeRequest("B", PREFIX, BS))
-    sched.build_connector_meta([])
+    sched, gpu, _ = prefix_loading_and_unsaved_blocks()
     job = sched.transfers.requests["B"].load
     assert isinstance(job, LoadJob)
     slot = job.cpu_blocks[0]
-    sched.cpu_pool.touch([slot])  # the planted store event's references
-    gpu.touch([gpu.blocks[b_ids[2]]])
-    event = sched.transfers.issue_store_event([b_ids[2]], [slot])
+    [source] = gpu.allocate(1)  # the planted store event's references: this GPU block's, and the slot's
+    sched.cpu_pool.touch([slot])
+    event = sched.transfers.issue_store_event([source.block_id], [slot])
     with pytest.raises(SchedulerError, match=f"CPU block {slot.block_id} is written by store event "
                                              f"{event.event_id} while read by request B's load \\(0 of them"):
         sched.check_integrity()

@@ -14,14 +14,12 @@ import time
 
 import numpy as np
 import pytest
-import torch
-from cudasim_helpers import make_kv, sim_worker
+from cudasim_helpers import slots_swapped_on_sim
 from worker_helpers import block_bytes, load, make_worker, next_report, store
 
 from offload_connector.metadata import TransferMetadata
-from worker_side import CpuBackend
+from worker_side import CpuBackend, OffloadWorker
 from worker_side.load_reads import LoadReads
-from worker_side.testing.cuda_sim import SimCudaRuntime
 from worker_side.testing.faults import FaultyBackend
 
 
@@ -166,27 +164,14 @@ def test_on_the_simulated_gpu_a_later_steps_store_waits_for_the_load(monkeypatch
     planted bug) some schedule lets the store go first."""
     if not check:
         monkeypatch.setattr(LoadReads, "readers", lambda self, cpu_block_ids: ())
-    wrong = held = 0
-    for seed in range(12):
-        rt = SimCudaRuntime(schedule="copy_lag", seed=seed)
-        kv = make_kv(rt, "block_first")
-        w = sim_worker(rt, kv, num_gpu_blocks=12)
-        views = w._views
-        old = [[v.block_tensor(b).clone() for v in views] for b in (1, 2)]
-        w.begin_step()
-        w.start_store(store(0, [1, 2], [3, 4]))
-        w.wait_all()
-        w.get_finished()
+
+    def load_then_store(w: OffloadWorker) -> None:
         w.begin_step()
         w.start_load(load(1, [7, 8], [3, 4], ["r"]))
         w.get_finished()  # (polls: the load may still be queued)
         w.begin_step()
         w.start_store(store(1, [5, 6], [3, 4]))
-        w.wait_all()
-        w.get_finished()
-        got = [[v.block_tensor(b) for v in views] for b in (7, 8)]
-        wrong += any(not torch.equal(a, b) for x, y in zip(got, old, strict=True) for a, b in zip(x, y, strict=True))
-        held += w.num_stores_held_for_loads
-        w.shutdown()
-        assert rt.faults == []
+
+    runs = [slots_swapped_on_sim(seed, load_then_store) for seed in range(12)]
+    wrong, held = sum(not right for right, _ in runs), sum(n for _, n in runs)
     assert (wrong == 0 and held > 0) if check else (wrong > 0 and held == 0), (wrong, held)
