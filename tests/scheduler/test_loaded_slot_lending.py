@@ -56,13 +56,16 @@ def prefix_loading_and_unsaved_blocks():
     return sched, gpu, load_b
 
 
-@pytest.mark.parametrize("b_reads", ["done", "in flight"])
+@pytest.mark.parametrize("b_reads", ["done", "in flight", "done, lending off"])
 def test_a_slot_is_lent_only_while_its_load_alone_reads_it(b_reads):
+    """`lending off`: a scheduler for a host pool several ranks share lends no slot at all (stores.py)."""
     sched, gpu, load_b = prefix_loading_and_unsaved_blocks()
+    sched.stores.lend_load_slots = b_reads != "done, lending off"
+    sched.stats.num_reused_load_slots = 5  # a running total (as after earlier steps' lends)
     # 3. C hits the same CPU blocks (no load wait): its load reads them too
     c = FakeRequest("C", PREFIX + [9, 10], BS)
     assert admit(sched, gpu, c)[:2] == (8, True)
-    if b_reads == "done":
+    if b_reads != "in flight":
         sched.update_connector_output(report(finished_load_reqs=["B"]))
     # 4. this step sends C's load and stores D's blocks
     meta = sched.build_connector_meta([])
@@ -71,10 +74,10 @@ def test_a_slot_is_lent_only_while_its_load_alone_reads_it(b_reads):
     lent = set(meta.store_cpu_blocks) & set(meta.load_cpu_blocks)
     if b_reads == "done":  # C's load alone reads them: the store takes both slots, after the load
         assert lent == set(meta.load_cpu_blocks) and meta.store_after_load
-        assert sched.stats.num_reused_load_slots == 2
-    else:  # B's load still reads them: the store writes free blocks instead
+        assert sched.stats.num_reused_load_slots == 5 + 2
+    else:  # B's load still reads them (or lending is off): the store writes free blocks instead
         assert not lent and not meta.store_after_load
-        assert sched.stats.num_reused_load_slots == 0
+        assert sched.stats.num_reused_load_slots == 5
     sched.check_integrity()
     # 5. everything completes: the blocks go back, and C's load read A's content throughout
     reports = [report(finished_load_reqs=["C"]), report(completed_store_events=[meta.store_event])]
