@@ -25,6 +25,13 @@ Reference ownership (the invariant that makes abort/preempt/finish safe at any p
   keeps them: the engine frees a request's blocks only after `request_finished`);
 - a store event holds one reference on each of its GPU and CPU blocks until every rank reported it.
 No block with a transfer in flight is therefore ever in a free queue. Nothing here imports torch.
+
+Stores and reads (the invariant that keeps a load from reading bytes a store writes): a CPU block that a
+store in flight writes is neither read by a load in flight nor held by a pending hit, and a block a load in
+flight reads or a pending hit holds is never given to a store; the one exception is a slot lent by the
+only load reading it to its own step's store (`LoadJob.lent`, stores.py), which the workers run after that
+load (`store_after_load`). `check_integrity` checks it (`Transfers.store_read_overlaps`); the worker, which
+knows the copies in flight, orders and counts any store that breaks it (worker.py).
 With lower tiers configured (`self.tiers`, nearest first, built by name by tiers/registry.py with the
 adapter's `tier_identity`), a CPU miss may make the request wait for one, which fetches blocks into the
 CPU tier first (tiers/base.py: a fetch event holds its blocks); the scheduler talks to them only through
@@ -282,8 +289,13 @@ class OffloadScheduler:
         return not self.policy.num_held_blocks and self.transfers.is_quiet()
 
     def check_integrity(self) -> None:
-        """Pool invariants plus: when idle, the connector holds no CPU references at all."""
+        """Pool invariants, the stores-and-reads invariant (module docstring), and: when idle, the connector
+        holds no CPU references at all. O(CPU blocks + transfers in flight): tests and idle checks only."""
         self.cpu_pool.check_integrity()
+        overlaps = self.transfers.store_read_overlaps()
+        if overlaps:
+            raise SchedulerError(f"{len(overlaps)} CPU blocks a store writes are still read (our bug): "
+                                 + "; ".join(overlaps[:4]))
         held = self.transfers.held_cpu_block_ids()
         for tier in self._tiers:
             held |= tier.held_block_ids()

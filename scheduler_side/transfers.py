@@ -11,7 +11,9 @@ It holds state and answers questions about it; the parts change it, each as its 
   `issue_store_event`, completions.py deletes them);
 - `expired`: load events a rank gave up on whose copy may still run (completions.py).
 Event ids count up from 0 per kind and are never reused. Queries are O(requests + transfers in flight):
-between steps, for the engine's idle checks and tests.
+between steps, for the engine's idle checks and tests. `store_read_overlaps` checks the one invariant that
+ties stores to loads (the scheduler's docstring states it): no CPU block a store in flight writes is read by
+a load in flight or held by a pending hit, unless the only load reading it lent it to that store.
 """
 
 from __future__ import annotations
@@ -93,3 +95,30 @@ class Transfers:
             if s.pending_hit is not None:
                 held.update(b.block_id for b in s.pending_hit.cpu_blocks)
         return held
+
+    def store_read_overlaps(self) -> list[str]:
+        """Every breach of the store/read invariant (empty: none): a CPU block an outstanding store event
+        writes that a pending hit holds, or that a load in flight reads (a request's, or one quarantined after
+        its deadline) other than the one load that lent its slot to that store (`LoadJob.lent`: the workers
+        run the store after that load), or that more than one load reads. O(blocks of the transfers in
+        flight)."""
+        written = {b.block_id: e.event_id for e in self.store_events.values() for b in e.cpu_blocks}
+        if not written:
+            return []
+        readers: dict[int, list[str]] = {}  # written block -> who else reads or holds it
+        lent_by: dict[int, int] = {}  # written block -> readers that lent it
+        jobs = [(f"request {s.request_id}'s load", s.load) for s in self.requests.values() if s.load is not None]
+        jobs += [(f"expired load event {event_id}", job) for event_id, e in self.expired.items() for job in e.jobs]
+        for who, job in jobs:
+            for block in job.cpu_blocks:
+                if block.block_id in written:
+                    readers.setdefault(block.block_id, []).append(who)
+                    lent_by[block.block_id] = lent_by.get(block.block_id, 0) + (block.block_id in job.lent)
+        for s in self.requests.values():
+            if s.pending_hit is not None:
+                for block in s.pending_hit.cpu_blocks:
+                    if block.block_id in written:
+                        readers.setdefault(block.block_id, []).append(f"request {s.request_id}'s pending hit")
+        return [f"CPU block {block_id} is written by store event {written[block_id]} while read by {', '.join(who)} "
+                f"({lent_by.get(block_id, 0)} of them lent it)" for block_id, who in readers.items()
+                if len(who) != 1 or lent_by.get(block_id, 0) != 1]

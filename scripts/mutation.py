@@ -5,6 +5,7 @@
     python scripts/mutation.py worker --again    # after adding tests: rerun only what was not killed
     python scripts/mutation.py worker --report   # print the last run's score and survivors again
     python scripts/mutation.py cudasim --only 'worker_side.backends.cuda.fences.*'   # just these mutants
+    python scripts/mutation.py scheduler --planted  # the target's hand-written mutants (must all be killed)
 
 A *target* is a set of files to mutate and the fast tests that may kill them; mutmut then runs, for each
 mutant, only the selected tests that call the mutated function. The targets:
@@ -23,6 +24,11 @@ mutant is *equivalent* when it changes no behaviour: either only the text of an 
 scripts/mutation_equivalents.toml (matched by function and mutated line, so it survives renumbering).
 Anything else is printed with its diff: kill it with a test, or explain it in that file. `--again` keeps
 the verdicts of killed mutants, so quote scores from a fresh run or from `--again` on unchanged sources.
+
+*Planted* mutants (scripts/mutation_planted.toml) are bugs written by hand, for changes mutmut's operators do
+not make (a `==` widened to `>=`, a check left out): `--planted` applies each, one at a time, to a scratch
+copy of the checkout and runs the target's tests there, stopping at the first failure. Each must be killed
+(exit status 1 otherwise); an entry whose original text is no longer in its file is refused as stale.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import fnmatch
 import glob
 import json
 import os
@@ -46,6 +53,8 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 EQUIVALENTS = ROOT / "scripts" / "mutation_equivalents.toml"
+PLANTED = ROOT / "scripts" / "mutation_planted.toml"
+SCRATCH_COPY = ("scheduler_side", "worker_side", "offload_connector", "tests", "pyproject.toml")  # what tests need
 FAST = "not vllm and not gpu and not soak"
 
 
@@ -59,7 +68,8 @@ class Target:
 
 TARGETS = {
     "worker": Target(
-        mutate=("worker_side/worker.py", "worker_side/backends/cpu.py", "worker_side/copy_plan.py",
+        mutate=("worker_side/worker.py", "worker_side/load_reads.py", "worker_side/backends/cpu.py",
+                "worker_side/copy_plan.py",
                 "worker_side/block_layout.py", "worker_side/host_pool.py", "worker_side/host_memory.py",
                 "worker_side/backends/select.py", "worker_side/backends/base.py", "worker_side/errors.py"),
         tests=("tests/worker/test_*.py", "tests/engine/test_integrity.py", "tests/engine/test_fake_engine.py",
@@ -314,6 +324,64 @@ def not_killed(name: str) -> list[str]:
     return out
 
 
+# ---- planted mutants ------------------------------------------------------------------------------------
+def load_planted(name: str) -> list[dict]:
+    """The target's planted mutants; each names a file the target mutates."""
+    entries = [e for e in tomllib.loads(PLANTED.read_text())["planted"] if e["target"] == name]
+    patterns = TARGETS[name].mutate
+    for e in entries:
+        if not any(fnmatch.fnmatch(e["file"], pattern) for pattern in patterns):
+            raise SystemExit(f"planted mutant {e['name']!r}: {e['file']} is not a file of target {name} "
+                             f"(it mutates {', '.join(patterns)})")
+    return entries
+
+
+def run_planted_mutant(name: str, entry: dict) -> str | None:
+    """Apply one planted mutant to a scratch copy of this checkout and run the target's tests there, up to
+    the first failure: the first failing test's id (killed), or None (survived)."""
+    target = TARGETS[name]
+    with tempfile.TemporaryDirectory() as scratch:
+        for part in SCRATCH_COPY:
+            src, dst = ROOT / part, Path(scratch) / part
+            if src.is_dir():
+                shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", ".hypothesis"))
+            else:
+                shutil.copy2(src, dst)
+        path = Path(scratch) / entry["file"]
+        text = path.read_text()
+        if text.count(entry["original"]) != 1:
+            raise SystemExit(f"planted mutant {entry['name']!r}: {entry['original']!r} is not in {entry['file']} "
+                             "exactly once (stale: update scripts/mutation_planted.toml)")
+        path.write_text(text.replace(entry["original"], entry["mutant"]))
+        deselect = [arg for test in target.deselect for arg in ("--deselect", test)]
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rf", "-p", "no:cacheprovider", "-m", FAST,
+               *selected_tests(target), *deselect]
+        proc = subprocess.run(cmd, cwd=scratch, env=dict(os.environ, PYTHONPATH=scratch), capture_output=True,
+                              text=True, check=False)
+    if proc.returncode == 0:
+        return None
+    failed = [line[len("FAILED "):].split(" - ")[0] for line in proc.stdout.splitlines() if line.startswith("FAILED ")]
+    if proc.returncode != 1 or not failed:
+        raise SystemExit(f"planted mutant {entry['name']!r}: pytest exited {proc.returncode} without a failing "
+                         f"test:\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}")
+    return failed[0]
+
+
+def run_planted(name: str) -> int:
+    """Every planted mutant of the target; the number not killed."""
+    entries = load_planted(name)
+    survived = 0
+    for entry in entries:
+        start = time.monotonic()
+        killer = run_planted_mutant(name, entry)
+        verdict = f"killed by {killer}" if killer else "NOT KILLED"
+        print(f"{name} planted {entry['name']}: {verdict} ({time.monotonic() - start:.0f} s)\n"
+              f"    {entry['file']}: {entry['original']!r} -> {entry['mutant']!r}")
+        survived += killer is None
+    print(f"{name}: {len(entries) - survived} of {len(entries)} planted mutants killed")
+    return survived
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("targets", nargs="*", metavar="TARGET", help=f"any of {', '.join(TARGETS)} (default: all)")
@@ -322,6 +390,8 @@ def main() -> int:
     mode.add_argument("--report", action="store_true", help="only print the last run's score and survivors")
     mode.add_argument("--only", nargs="+", metavar="PATTERN",
                       help="run only the mutants whose names match (fnmatch), keeping the other results")
+    mode.add_argument("--planted", action="store_true",
+                      help="run the target's hand-written mutants (scripts/mutation_planted.toml) instead")
     parser.add_argument("--show-equivalent", action="store_true", help="also print the equivalent mutants")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--mutants", nargs="*", default=[], help=argparse.SUPPRESS)
@@ -333,6 +403,8 @@ def main() -> int:
     unknown = [t for t in targets if t not in TARGETS]
     if unknown:
         parser.error(f"unknown target {unknown}; allowed: {', '.join(TARGETS)}")
+    if args.planted:
+        return 1 if sum(run_planted(name) for name in targets) else 0
     if args.report:
         for name in targets:
             with read_only_view(name):

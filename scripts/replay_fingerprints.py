@@ -6,11 +6,13 @@ a time or 64, plus one hybrid-model replay and one with `branch_filter: true`. T
 except for what measures time rather than behaviour (`TIMING_KEYS`) and the trace's path (its file name
 stays): two runs of the same code give the same bytes.
 
-    python scripts/replay_fingerprints.py --write DIR [--jobs 2] [--only NAME,...]
-    python scripts/replay_fingerprints.py --check DIR [--jobs 2] [--only NAME,...]
+    python scripts/replay_fingerprints.py --write DIR [--jobs 2] [--only NAME,...] [--check-each-step]
+    python scripts/replay_fingerprints.py --check DIR [--jobs 2] [--only NAME,...] [--check-each-step]
 
 `--write` records one `NAME.json` per point; `--check` replays again and compares byte for byte, printing
 a diff per differing point; exit status 1 if any differs or a replay fails. About two minutes with two jobs.
+`--check-each-step` has every replay check the connector's invariants after every step (`replay
+--check-each-step`: same JSON, a broken invariant fails the point); slower.
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ def normalize(text: str) -> str:
     return json.dumps(data, sort_keys=True, indent=1) + "\n"
 
 
-def run_point(args: list[str], filter_config: str) -> str:
+def run_point(args: list[str], filter_config: str, check_each_step: bool = False) -> str:
     cmd = [sys.executable, "-m", "offload_connector.cli", "replay", "--json", "--quiet"]
+    cmd += ["--check-each-step"] if check_each_step else []
     cmd += [filter_config if a == "{branch_filter}" else a for a in args]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", metavar="DIR", help="compare with the fingerprints in DIR")
     parser.add_argument("--jobs", type=int, default=2, help="replays run at once (default 2)")
     parser.add_argument("--only", metavar="NAMES", help="comma-separated point names (default: all)")
+    parser.add_argument("--check-each-step", action="store_true",
+                        help="every replay checks the connector's invariants after every step (slower)")
     args = parser.parse_args(argv)
     todo = points()
     if args.only:
@@ -97,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         filter_config = str(Path(tmp) / "branch_filter.yaml")
         Path(filter_config).write_text("branch_filter: true\n")
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-            futures = {name: pool.submit(run_point, a, filter_config) for name, a in todo.items()}
+            futures = {name: pool.submit(run_point, a, filter_config, args.check_each_step)
+                       for name, a in todo.items()}
             bad = 0
             for name, future in futures.items():
                 try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,30 @@ def caught(seeds: range, **overrides) -> list[int]:
         except IntegrityError:
             out.append(seed)
     return out
+
+
+def slots_swapped_on_sim(seed: int, steps: Callable[[OffloadWorker], None]) -> tuple[bool, int]:
+    """On a simulated GPU whose schedule lets copies queue up (`copy_lag`, `seed`): GPU blocks 1, 2 are stored
+    into host slots 3, 4, then `steps(w)` loads those slots into GPU blocks 7, 8 and stores other blocks into
+    them, in whatever steps it likes. Returns (blocks 7, 8 got 1, 2's bytes, stores the worker held for
+    loads)."""
+    rt = SimCudaRuntime(schedule="copy_lag", seed=seed)
+    w = sim_worker(rt, make_kv(rt, "block_first"), num_gpu_blocks=12)
+    views = w._views
+    old = [[v.block_tensor(b).clone() for v in views] for b in (1, 2)]
+    w.begin_step()
+    w.start_store(TransferMetadata(store_event=0, store_gpu_blocks=[1, 2], store_cpu_blocks=[3, 4]))
+    w.wait_all()
+    w.get_finished()
+    steps(w)
+    w.wait_all()
+    w.get_finished()
+    got = [[v.block_tensor(b) for v in views] for b in (7, 8)]
+    right = all(torch.equal(a, b) for x, y in zip(got, old, strict=True) for a, b in zip(x, y, strict=True))
+    w.shutdown()
+    if rt.faults:
+        raise AssertionError(f"simulated device faults: {rt.faults}")
+    return right, w.num_stores_held_for_loads
 
 
 def sim_worker(rt: SimCudaRuntime, kv: dict[str, torch.Tensor], num_gpu_blocks: int, layout: str | None = None,

@@ -1,14 +1,16 @@
 """The scheduler-side state machine (Hypothesis), shared by the scheduler's and the remote tier's property
-tests: random admissions (some in client sessions), steps, completions (in any order, some
-failing), aborts, preemptions and session closes against the scheduler side. After every rule: pools are
-consistent, no block with a transfer in flight is free, and when everything is drained all references are
-back to zero. On every CPU allocation: no cached block is evicted while an empty block is free (a copy
-given up after a load or a session close goes before older content, never ahead of free room)."""
+tests: random admissions (some in client sessions), steps, completions (in any order, some failing),
+aborts, preemptions and session closes against the scheduler side, and two requests loading the same CPU
+blocks across steps, with the load wait on or off and lazy's CPU pressure from the start or not. After every
+rule: pools are consistent, no block with a transfer in flight is free, no store writes a CPU block a load
+in flight reads, and when everything is drained all references are back to zero. On every CPU allocation:
+no cached block is evicted while an empty block is free (a copy given up after a load or a session close
+goes before older content, never ahead of free room)."""
 
 from dataclasses import dataclass
 
 import hypothesis.strategies as st
-from helpers import FakeRequest, make_scheduler, report
+from helpers import FakeRequest, make_scheduler, put_under_pressure, report
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from offload_connector.hashing import with_group_id
@@ -29,14 +31,20 @@ class Running:
 
 class SchedulerMachine(RuleBasedStateMachine):
     # CPU tiers smaller than the working set, and larger (40..64 blocks: loads and session closes then give
-    # up copies while the tier still has empty blocks)
+    # up copies while the tier still has empty blocks); the load wait (`max_store_wait_steps`) 8 or 0 (a
+    # request then hits blocks another request's load still reads)
     @initialize(policy=st.sampled_from(["eager", "lazy"]), world_size=st.sampled_from([1, 2]),
                 num_cpu_blocks=st.one_of(st.integers(2, 12), st.integers(40, 64)),
-                eviction=st.sampled_from(["lru", "arc"]))
-    def setup(self, policy, world_size, num_cpu_blocks, eviction):
+                eviction=st.sampled_from(["lru", "arc"]), load_wait=st.booleans(), pressure=st.booleans())
+    def setup(self, policy, world_size, num_cpu_blocks, eviction, load_wait, pressure):
+        # pressure: lazy in its frontier mode from the start (it lends loaded slots to stores), its lookahead
+        # the whole GPU pool (else a freed block lies past it until allocations move the frontier)
         self.sched, self.gpu = make_scheduler(num_gpu_blocks=24, num_cpu_blocks=num_cpu_blocks,
                                               block_size=BS, world_size=world_size, store_policy=policy,
-                                              eviction=eviction)
+                                              eviction=eviction, max_store_wait_steps=8 if load_wait else 0,
+                                              lazy_lookahead_blocks=24 if pressure else None)
+        if pressure and policy == "lazy":
+            put_under_pressure(self.sched)
         self.world_size = world_size
         self.reqs: dict[str, Running] = {}
         self.sent_loads: list[str] = []  # requests whose load was handed to the workers
@@ -73,6 +81,45 @@ class SchedulerMachine(RuleBasedStateMachine):
             req.kv_transfer_params = session_params(session)
         self._admit(req, BS if gpu_hit else 0)
 
+    @rule(data=st.data(), prefix=st.integers(0, 2), other=st.integers(5, 16))
+    def load_a_prefix_twice_across_steps(self, data, prefix, other):
+        """Loads across steps, under whatever else is in flight. If the CPU tier lacks the prefix, A computes
+        it, finishes, and a step stores it (completed). Then B hits it while D (`other` tokens) is
+        admitted; a step sends B's load (in flight from now on) and computes D; C hits the same CPU blocks
+        (with the load wait on it waits instead) and D finishes, so the next step sends C's load while B's
+        still reads those blocks, and stores D's blocks: that store must not take the slots they read."""
+        tokens = PREFIXES[prefix]
+        if prefix not in self.cached_prefixes():
+            a = self.new_request(tokens + [9000 + self.next_id])
+            self._admit(a, 0)
+            if a.request_id not in self.reqs:
+                return
+            self.run_step(lambda r: r.req.num_tokens if r.req is a else None)
+            self.finish_or_abort(data, a.request_id)
+            events = set(self.stores)
+            self.run_step(lambda r: None)
+            for event in sorted(set(self.stores) - events):
+                del self.stores[event]
+                self.sched.update_connector_output(self.every_rank(data, completed_store_events=[event]))
+        d = self.new_request(list(range(5000, 5000 + other)))
+        for turn in range(2):
+            self._admit(self.new_request(tokens + [9000 + self.next_id]), 0)
+            if turn == 0:
+                self._admit(d, 0)
+            elif d.request_id in self.reqs:
+                self.finish_or_abort(data, d.request_id)
+            self.run_step(lambda r: r.req.num_tokens if r.req is d else None)
+
+    def new_request(self, tokens: list[int]) -> FakeRequest:
+        self.next_id += 1
+        return FakeRequest(f"r{self.next_id - 1}", tokens, BS)
+
+    def cached_prefixes(self) -> list[int]:
+        """The prompts whose first block the CPU tier holds."""
+        cached = self.sched.cpu_pool.cached
+        return [i for i, tokens in enumerate(PREFIXES)
+                if with_group_id(FakeRequest("-", tokens, BS).block_hashes[0], 0) in cached]
+
     def _admit(self, req, gpu_hit_tokens):
         hit, is_async = self.sched.get_num_new_matched_tokens(req, gpu_hit_tokens)
         blocks = self.gpu.allocate(-(-req.num_tokens // BS))
@@ -87,13 +134,21 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def step(self, data):
+        self.run_step(lambda r: r.computed + data.draw(st.integers(1, 9)))
+
+    def run_step(self, computed):
+        """One engine step: each running request not loading and not done computes up to `computed(r)`
+        tokens (None: not scheduled this step), then the connector's metadata."""
         steps = []
         for rid, r in self.reqs.items():
-            if r.loading or r.computed >= r.req.num_tokens:
+            if r.loading or r.computed >= r.req.num_tokens or (upto := computed(r)) is None:
                 continue
-            r.computed = min(r.req.num_tokens, r.computed + data.draw(st.integers(1, 9)))
+            r.computed = min(r.req.num_tokens, upto)
             steps.append(StepRequest(rid, r.gpu_ids, r.computed, True))
-        meta = self.sched.build_connector_meta(steps)
+        self._record(self.sched.build_connector_meta(steps))
+
+    def _record(self, meta):
+        """What the workers are handed: checked, then in flight until a completion rule reports it."""
         self.check_store_targets(meta)
         self.sent_loads.extend(meta.load_event_reqs)
         if meta.store_event is not None:
@@ -141,8 +196,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data())
-    def finish_or_abort(self, data):
-        rid = data.draw(st.sampled_from(sorted(self.reqs)))
+    def finish_or_abort(self, data, rid=None):
+        rid = rid or data.draw(st.sampled_from(sorted(self.reqs)))
         r = self.reqs.pop(rid)
         assert self.sched.request_finished(r.req) == (False, None)
         if not r.loading:  # the engine's prefix cache keeps its computed full blocks (lazy stores them)

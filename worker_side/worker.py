@@ -9,6 +9,10 @@ Lifecycle and invariants:
   before it), then `start_load` / `start_store` (one job each, stores after the forward wrote the blocks;
   the backend orders each against the compute stream where one exists; with `store_after_load` the store
   also follows this step's load, whose source slots it rewrites), then `get_finished()`.
+- no store job starts writing a host block that a load job in flight reads: with `store_after_load` it
+  follows this step's loads; any other load in flight that reads one of its blocks (an earlier step's, or
+  this step's without `store_after_load`: a scheduler bug, which the scheduler's stores-and-reads invariant
+  forbids) is added to its `after` too, counted in `num_stores_held_for_loads` and logged (load_reads.py).
 - `_jobs` holds exactly the submitted jobs whose result has not been reported; each job is reported once:
   a load job lists its requests in `finished_load_reqs` (also when it failed: failed GPU blocks go to
   `failed_load_gpu_blocks`, and the engine recomputes them); a store job's event goes to
@@ -34,6 +38,7 @@ Lifecycle and invariants:
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Mapping, Sequence
 
@@ -52,9 +57,12 @@ from worker_side.errors import LayoutError, WorkerClosedError, WorkerInvariantEr
 from worker_side.host_memory import allocate_host_buffer
 from worker_side.host_pool import HostPool
 from worker_side.job_record import JobRecord, failed_requests
+from worker_side.load_reads import LoadReads
 from worker_side.shared_pool import SharedPoolSpec
 from worker_side.tiers.base import TierIO
 from worker_side.tiers.registry import check_tier_identity, make_tier_ios
+
+logger = logging.getLogger(__name__)
 
 
 class OffloadWorker:
@@ -77,12 +85,16 @@ class OffloadWorker:
         self._num_gpu_blocks = 0
         self._job_ids = itertools.count(1)
         self._jobs: dict[int, JobRecord] = {}
+        self._load_reads = LoadReads(0)  # the host blocks the load jobs in flight read (sized at registration)
         self._loads_this_step: list[int] = []
         self._instant: list[JobResult] = []  # jobs with no blocks: finished at submission
         self._scratch: dict[int, np.ndarray] = {}  # per id range: the duplicate check's scratch array
         self._closed = False
         self.load_timeout_s = config.transfer.load_timeout_s  # None: loads are waited for forever
         self.num_load_timeouts = 0  # load jobs given up on (expired), since start
+        # store jobs the metadata did not order after a load in flight that reads their host blocks (a
+        # scheduler bug): the worker ordered them itself, since start
+        self.num_stores_held_for_loads = 0
 
     # ---- registration -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor], num_gpu_blocks: int | None = None,
@@ -116,6 +128,7 @@ class OffloadWorker:
                         lambda nbytes: allocate_host_buffer(nbytes, node), layout=self.backend.host_layout(views))
         self.backend.bind(views, pool)  # pins the pool where the backend needs it, before any graph capture
         self._pool = pool
+        self._load_reads = LoadReads(pool.num_blocks)
         self._views, self._num_gpu_blocks = views, counts.pop()
         self.tier_ios = make_tier_ios(self.config, self.tier_identity, self.rank, self.world_size, pool)
 
@@ -167,6 +180,7 @@ class OffloadWorker:
             rec.load_req_num_blocks, rec.load_dst = tuple(meta.load_req_num_blocks), gpu
         if len(gpu):  # an empty job finished at submission: nothing to wait for
             self._loads_this_step.append(job_id)
+            self._load_reads.add(job_id, cpu)
 
     def start_tier_ops(self, tiers: Sequence[TierOps]) -> None:
         """Check every lower tier's ops, hand each its writes of evicted blocks (all before any fetch or copy
@@ -204,10 +218,24 @@ class OffloadWorker:
                 raise WorkerInvariantError(f"store event {meta.store_event} must follow this step's load, but "
                                            "the step has no load event (scheduler bug)")
             after = tuple(j for j in self._loads_this_step if j in self._jobs)
+        unordered = tuple(j for j in self._load_reads.readers(cpu) if j not in after)
+        if unordered:
+            self._hold_for_loads(meta.store_event, cpu, unordered)
+            after += unordered
         job_id = self._submit("store", meta.store_event, gpu, cpu, (), after)
         writers = tuple(self._tier_io(ops) for ops in meta.tiers if ops.write_stored)
         if writers and job_id in self._jobs:
             self._jobs[job_id].tier_writes = (writers, cpu, list(meta.store_keys))
+
+    def _hold_for_loads(self, store_event: int, cpu: np.ndarray, load_job_ids: tuple[int, ...]) -> None:
+        """A store the metadata sends into host blocks that these loads in flight still read, without
+        ordering it after them: a scheduler bug that would load the store's bytes. Counted and logged; the
+        caller orders the store after those loads."""
+        self.num_stores_held_for_loads += 1
+        events = sorted({self._jobs[j].event_id for j in load_job_ids})
+        logger.warning("offload: store event %d writes host blocks that load events %s still read; it starts "
+                       "after them (scheduler bug; %d host blocks: %s)", store_event, events, len(cpu),
+                       cpu[:16].tolist())
 
     def _checked_ids(self, kind: JobKind, event_id: int, src: Sequence[int], dst: Sequence[int]
                      ) -> tuple[np.ndarray, np.ndarray]:
@@ -271,6 +299,8 @@ class OffloadWorker:
             rec = self._jobs.pop(r.job_id, None)
             if rec is None:
                 raise WorkerInvariantError(f"backend reported job {r.job_id}, which is not in flight (our bug)")
+            if rec.kind == "load":
+                self._load_reads.remove(r.job_id)  # its copies are over (an expired one's too, only now)
             seconds = max(0.0, r.finished_at - rec.submitted_at)
             if r.path:
                 report.jobs_by_path[r.path] = report.jobs_by_path.get(r.path, 0) + 1

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     rp.add_argument("--plot", metavar="FILE", help="write a PNG of the hit ratio over time (needs matplotlib)")
     rp.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    rp.add_argument("--check-each-step", action="store_true",
+                    help="check the connector's invariants (check_integrity, stores never over a block a "
+                         "load in flight reads) after every step, not only at the end: slower, same report")
     ck = sub.add_parser(
         "check", help="validate a config and print what it gives per rank for a model",
         description="Validate a config (every key, type and value) and, with a model's config.json, print one "
@@ -228,7 +231,8 @@ def _replay(args: argparse.Namespace) -> int:
     bar = None if args.quiet else ProgressBar()
     try:
         result = run_replay(config, requests, scaled=scaled, trace_name=trace, progress=bar,
-                            session_close=not args.no_session_close, session_close_delay=args.session_close_delay)
+                            session_close=not args.no_session_close, session_close_delay=args.session_close_delay,
+                            check_each_step=args.check_each_step)
     finally:
         if bar is not None:
             bar.close()

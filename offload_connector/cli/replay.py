@@ -118,16 +118,18 @@ HYBRID_WINDOW_BLOCKS = 4  # `replay --hybrid` without a window: a sliding window
 
 def run_replay(config: OffloadConfig, requests: list[TraceRequest], *, scaled: bool, trace_name: str = "",
                progress: ProgressFn | None = None, session_close: bool = True,
-               session_close_delay: float = 0.0) -> ReplayResult:
+               session_close_delay: float = 0.0, check_each_step: bool = False) -> ReplayResult:
     """Replay `requests` in order through a FakeEngine with the connector; never raises IntegrityError.
-    `session_close`/`session_close_delay` (seconds of trace time): see the module docstring."""
+    `session_close`/`session_close_delay` (seconds of trace time): see the module docstring.
+    `check_each_step`: the engine checks the connector's invariants after every step (`FakeEngine`); a
+    broken one raises `SchedulerError`, or ends the replay with an error like a wrong K/V."""
     if session_close_delay < 0:
         raise ValueError(f"session_close_delay: got {session_close_delay}; allowed: seconds >= 0")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         closes = SessionCloses(requests, session_close, session_close_delay)
-        return _run_replay(config, requests, scaled, trace_name, progress, closes)
+        return _run_replay(config, requests, scaled, trace_name, progress, closes, check_each_step)
     finally:
         torch.set_num_threads(threads)
 
@@ -161,12 +163,12 @@ class SessionCloses:
 
 
 def _run_replay(config: OffloadConfig, requests: list[TraceRequest], scaled: bool, trace_name: str,
-                progress: ProgressFn | None, closes: SessionCloses) -> ReplayResult:
+                progress: ProgressFn | None, closes: SessionCloses, check_each_step: bool) -> ReplayResult:
     eng = config.engine
     start = time.perf_counter()
     error = None
     # sync_stores: deterministic, stores land before the next step; outputs are not kept (only counted)
-    with FakeEngine(config, sync_stores=True, keep_outputs=False) as engine:
+    with FakeEngine(config, sync_stores=True, keep_outputs=False, check_each_step=check_each_step) as engine:
         disk = engine.connector.tiers.get("disk") if engine.connector is not None else None
         if isinstance(disk, DiskTier):  # a warm run: the records found are indexed before request 1
             disk.wait_scan()

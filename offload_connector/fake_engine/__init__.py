@@ -2,13 +2,13 @@
 
 It wires `scheduler_side` and `worker_side` together (an adapter: it may import both). See
 docs/fake_engine.md. Public API: `FakeEngine`, `EngineRequest`, `RequestStatus`, `IntegrityError`,
-`EngineStats`.
+`EngineStats`, `StoreReadOverlapError`.
 """
 
-from offload_connector.fake_engine.engine import EngineStallError, FakeEngine
+from offload_connector.fake_engine.engine import EngineStallError, FakeEngine, StoreReadOverlapError
 from offload_connector.fake_engine.model import FakeModel, IntegrityError
 from offload_connector.fake_engine.request import EngineRequest, RequestStatus
 from offload_connector.fake_engine.stats import EngineStats
 
 __all__ = ["EngineRequest", "EngineStallError", "EngineStats", "FakeEngine", "FakeModel", "IntegrityError",
-           "RequestStatus"]
+           "RequestStatus", "StoreReadOverlapError"]

@@ -21,7 +21,12 @@ waits for the forward, as with vLLM's async scheduling: transfers are ordered by
 
 `drain()` runs empty connector steps until every transfer is done and applied (and the lower tiers'
 queued writes are sent); `check()` then counts blocks still
-referenced (leaks) and runs every pool's `check_integrity()` (the fake models' expected-K/V arenas included).
+referenced (leaks) and runs every pool's `check_integrity()` (the fake models' expected-K/V arenas included),
+and raises `StoreReadOverlapError` if any worker was sent a store into host blocks a load in flight still
+read (`OffloadWorker.num_stores_held_for_loads`: the worker ran it after that load, so no K/V went wrong,
+but the scheduler broke its stores-and-reads invariant). `check_each_step` runs the connector's
+`check_integrity()` and that overlap check after every step as well (O(CPU blocks) a step: tests, replays
+with `--check-each-step`).
 The engine owns the worker and shuts it down in `close()`; use it as a context manager.
 Memory stays flat however many requests run (the connector emits no KV events here, done requests give
 everything back), except for two records of one entry per request, each kept unless turned off:
@@ -35,7 +40,7 @@ import msgspec
 
 from offload_connector.config import OffloadConfig
 from offload_connector.fake_engine.gpu_cache import GpuCache
-from offload_connector.fake_engine.model import ComputeQueue, FakeModel
+from offload_connector.fake_engine.model import ComputeQueue, FakeModel, IntegrityError
 from offload_connector.fake_engine.request import EngineRequest, RequestStatus
 from offload_connector.fake_engine.scheduler import EngineScheduler
 from offload_connector.fake_engine.stats import EngineStats
@@ -50,6 +55,11 @@ MAX_IDLE_STEPS = 100_000  # steps in a row with nothing computed before we call 
 
 class EngineStallError(RuntimeError):
     """The engine has unfinished requests but cannot make progress: a scheduling or ref-count bug."""
+
+
+class StoreReadOverlapError(IntegrityError):
+    """A store was sent into host blocks that a load in flight still read: wrong K/V but for the worker,
+    which ran the store after that load (the scheduler's bug)."""
 
 
 def _per_rank(value: object, tp_size: int, what: str) -> list:
@@ -91,7 +101,7 @@ class FakeEngine:
                  backend: TransferBackend | list[TransferBackend] | None = None, wait_for_loads: bool = True,
                  sync_stores: bool = False, compute: ComputeQueue | list[ComputeQueue] | None = None,
                  tp_size: int = 1, keep_outputs: bool = True, keep_samples: bool = True,
-                 shard_heads: bool = False) -> None:
+                 shard_heads: bool = False, check_each_step: bool = False) -> None:
         eng = config.engine
         if eng.num_cpu_blocks is not None and config.num_cpu_blocks is None:
             config = msgspec.structs.replace(config, num_cpu_blocks=eng.num_cpu_blocks)
@@ -135,6 +145,7 @@ class FakeEngine:
         self.keep_outputs = keep_outputs
         self.outputs: dict[str, list[int]] = {}  # finished request id -> generated tokens (if keep_outputs)
         self._idle_steps = 0
+        self.check_each_step = check_each_step
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], max_tokens: int,
@@ -178,6 +189,9 @@ class FakeEngine:
             for req in finished:
                 self.outputs[req.request_id] = list(req.output_token_ids)
         self._poll_worker(self.wait_for_loads)
+        if self.check_each_step and self.connector is not None:
+            self.connector.check_integrity()
+            self._check_store_reads()
         if out.chunks:
             self._idle_steps = 0
         else:
@@ -201,6 +215,13 @@ class FakeEngine:
         self.stats.gpu_evictions += 1
         if self.connector is not None and not self.connector.is_saved(key):
             self.stats.gpu_evictions_unsaved += 1
+
+    def _check_store_reads(self) -> None:
+        """Raise `StoreReadOverlapError` if a worker was sent a store into host blocks a load in flight read."""
+        held = [w.num_stores_held_for_loads for w in self.workers]
+        if any(held):
+            raise StoreReadOverlapError(f"stores sent into host blocks that a load in flight still read, per rank: "
+                                        f"{held} (the workers ran them after those loads; a scheduler bug)")
 
     def _update_model_stats(self) -> None:
         self.stats.integrity_errors = sum(m.num_integrity_errors for m in self.models)
@@ -277,6 +298,7 @@ class FakeEngine:
         self.stats.leaked_gpu_blocks = self.gpu.pool.num_held_blocks() - live_gpu
         if self.connector is not None:
             self.connector.check_integrity()
+            self._check_store_reads()
             held = self.connector.cpu_pool.num_held_blocks()
             self.stats.leaked_cpu_blocks = held if self.connector.is_idle() else 0
         self.stats.leaked_blocks = self.stats.leaked_gpu_blocks + self.stats.leaked_cpu_blocks

@@ -10,6 +10,7 @@ import pytest
 from offload_connector.cli.main import main
 from offload_connector.cli.replay import replay_config, run_replay
 from offload_connector.cli.trace import bundled_trace_path, read_trace
+from scheduler_side import OffloadScheduler
 
 REQUIRED = ("requests", "prompt_tokens", "gpu_hit_tokens", "cpu_hit_tokens", "computed_prompt_tokens",
             "bytes_stored", "bytes_loaded", "integrity_errors", "leaked_blocks", "steps")
@@ -270,3 +271,18 @@ def test_a_mistyped_trace_name_suggests_the_bundled_ones(capsys, name: str, hint
     code, _, err = replay_exit(capsys, "--trace", name)
     assert code == 2 and err == (f"error: --trace: got {name!r}: no such file and no bundled trace of that name; "
                                  f"{hint}allowed: a trace file, or a bundled trace: synthetic, agentic\n")
+
+
+def test_check_each_step_checks_every_step_and_reports_the_same(capsys, monkeypatch) -> None:
+    """`--check-each-step` runs the connector's `check_integrity` after every step (and once at the end) and
+    changes nothing in the report but its time."""
+    args = ("--scaled", "--limit", "150", "--gpu-blocks", "100", "--cpu-blocks", "150", "--store-policy", "lazy")
+    plain = run_json(capsys, *args)
+    calls = []
+    check = OffloadScheduler.check_integrity
+    monkeypatch.setattr(OffloadScheduler, "check_integrity", lambda self: calls.append(1) or check(self))
+    checked = run_json(capsys, *args, "--check-each-step")
+    assert len(calls) == checked["steps"] + 1
+    for out in (plain, checked):
+        del out["wall_seconds"], out["connector"]["load_seconds"], out["connector"]["store_seconds"]
+    assert checked == plain

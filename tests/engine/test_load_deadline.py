@@ -27,6 +27,7 @@ from offload_connector.vllm.messages import merge_reports
 from scheduler_side.completions import Completions
 from worker_side import CpuBackend, OffloadWorker
 from worker_side.backends.cuda.backend import CudaBackend
+from worker_side.load_reads import LoadReads
 from worker_side.testing.cuda_sim import SimCompute, SimCudaRuntime
 from worker_side.testing.faults import FaultyBackend
 
@@ -215,7 +216,10 @@ def test_a_late_copy_reads_a_cpu_slot_nobody_rewrote() -> None:
 
 
 def test_without_the_cpu_quarantine_a_late_copy_writes_other_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planted bug: the GPU blocks are held but the CPU blocks go back (to the eviction end) at once."""
+    """The planted bug: the GPU blocks are held but the CPU blocks go back (to the eviction end) at once, and
+    the worker trusts the metadata (its own check of the loads in flight would hold the stores into those
+    slots behind the late copy: tests/worker/test_store_after_load_reads.py)."""
+    monkeypatch.setattr(LoadReads, "readers", lambda self, cpu_block_ids: ())
     def quarantine_gpu_only(self, job, expired) -> None:
         self.gpu_pool.touch(job.gpu_block_ids)
         self.cpu_pool.free(job.cpu_blocks, front=True)

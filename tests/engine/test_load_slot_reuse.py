@@ -5,7 +5,9 @@ take one of the same step's stores at once instead of that store evicting an old
 says `store_after_load` and the worker starts that store only after the step's load read its sources.
 The tests check the worker's ordering on the CPU backend (a stalled load holds the store back) and on the
 simulated GPU under adversarial stream schedules, and plant the missing ordering as a bug: the load then
-brings back the store's bytes, and the fake model's KV checks see wrong K/V.
+brings back the store's bytes, and the fake model's KV checks see wrong K/V. Metadata that forgets the flag
+alone is caught by the worker's own check of the loads in flight (tests/worker/test_store_after_load_reads.py),
+which orders the store anyway: the bug then needs that check gone too.
 """
 
 from __future__ import annotations
@@ -14,20 +16,19 @@ import time
 
 import msgspec
 import pytest
-import torch
-from cudasim_helpers import caught, make_kv, sim_worker
+from cudasim_helpers import caught, slots_swapped_on_sim
 from remote_helpers import reference_outputs
 from worker_helpers import block_bytes, make_worker, next_report, store
 
 from offload_connector.config import OffloadConfig
-from offload_connector.fake_engine import FakeEngine
+from offload_connector.fake_engine import FakeEngine, StoreReadOverlapError
 from offload_connector.fake_engine.model import IntegrityError
 from offload_connector.fake_engine.workload import Workload, random_workload, run_workload, small_config
 from offload_connector.metadata import TransferMetadata
 from worker_side import CpuBackend, OffloadWorker
 from worker_side.backends.cuda.backend import CudaBackend
 from worker_side.errors import WorkerInvariantError
-from worker_side.testing.cuda_sim import SimCudaRuntime
+from worker_side.load_reads import LoadReads
 from worker_side.testing.faults import FaultyBackend
 
 
@@ -40,7 +41,8 @@ def swap_step(event: int, after: bool = True) -> TransferMetadata:
 
 def run_swap_with_a_stalled_load(after: bool) -> tuple[bool, bool]:
     """The load is stalled while the step's store is submitted; returns (the load brought back the old
-    bytes, the slots hold the stored blocks) once both ran."""
+    bytes, the slots hold the stored blocks) once both ran. Without `after` the worker's own check orders
+    the store (and counts it), unless the test turned that check off."""
     faulty = FaultyBackend(CpuBackend(2), stall=lambda job: job.kind == "load")
     w, kv = make_worker(backend=faulty)
     w.start_store(store(0, [1, 2], [3, 4]))
@@ -49,8 +51,8 @@ def run_swap_with_a_stalled_load(after: bool) -> tuple[bool, bool]:
     w.start_load(meta)
     w.start_store(meta)
     time.sleep(0.02)  # an unordered store has run by now
-    if after:
-        assert sorted(faulty.held_job_ids()) == [2, 3]  # the store waits behind the stalled load
+    ordered = after or w.num_stores_held_for_loads == 1
+    assert sorted(faulty.held_job_ids()) == ([2, 3] if ordered else [2])  # the store waits behind the load
     faulty.release_all()
     w.wait_all()
     loaded = all(block_bytes(kv, 40 + i).equal(block_bytes(kv, 1 + i)) for i in range(2))
@@ -63,8 +65,10 @@ def test_a_store_into_the_slots_a_load_reads_runs_after_the_load() -> None:
     assert run_swap_with_a_stalled_load(after=True) == (True, True)
 
 
-def test_without_store_after_load_the_load_reads_the_stores_bytes() -> None:
-    """The planted bug: the same step without the ordering. The store overwrites the slots first."""
+def test_without_store_after_load_the_load_reads_the_stores_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted bug: the same step without the ordering, and no worker check of the loads in flight. The
+    store overwrites the slots first."""
+    monkeypatch.setattr(LoadReads, "readers", lambda self, cpu_block_ids: ())
     assert run_swap_with_a_stalled_load(after=False) == (False, True)
 
 
@@ -85,28 +89,15 @@ def test_on_the_simulated_gpu_the_store_stream_waits_for_the_load(monkeypatch: p
     some schedule lets the store go first."""
     if not wait:
         monkeypatch.setattr(CudaBackend, "_wait_for_jobs", lambda self, job_ids, stream: None)
-    wrong = 0
-    for seed in range(12):
-        rt = SimCudaRuntime(schedule="copy_lag", seed=seed)
-        kv = make_kv(rt, "block_first")
-        w = sim_worker(rt, kv, num_gpu_blocks=12)
-        views = w._views
-        old = [[v.block_tensor(b).clone() for v in views] for b in (1, 2)]
-        w.begin_step()
-        w.start_store(TransferMetadata(store_event=0, store_gpu_blocks=[1, 2], store_cpu_blocks=[3, 4]))
-        w.wait_all()
-        w.get_finished()
+
+    def swap(w: OffloadWorker) -> None:
         w.begin_step()
         meta = TransferMetadata(load_event=1, load_gpu_blocks=[7, 8], load_cpu_blocks=[3, 4], load_event_reqs=["r"],
                                 store_event=1, store_gpu_blocks=[5, 6], store_cpu_blocks=[3, 4], store_after_load=True)
         w.start_load(meta)
         w.start_store(meta)
-        w.wait_all()
-        w.get_finished()
-        got = [[v.block_tensor(b) for v in views] for b in (7, 8)]
-        wrong += any(not torch.equal(a, b) for x, y in zip(got, old, strict=True) for a, b in zip(x, y, strict=True))
-        w.shutdown()
-        assert rt.faults == []
+
+    wrong = sum(not slots_swapped_on_sim(seed, swap)[0] for seed in range(12))
     assert (wrong == 0) if wait else (wrong > 0), wrong
 
 
@@ -197,12 +188,33 @@ def test_stalled_and_expired_loads_hold_back_the_stores_into_their_slots() -> No
     assert sum(b for b, _, _ in runs) > 0 and sum(t for _, t, _ in runs) > 0, runs
 
 
-def test_a_store_not_held_behind_a_stalled_load_corrupts_its_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planted bug: the worker drops `store_after_load`."""
+def drop_store_after_load(monkeypatch: pytest.MonkeyPatch) -> None:
     start_store = OffloadWorker.start_store
     monkeypatch.setattr(OffloadWorker, "start_store",
                         lambda self, meta: start_store(self, msgspec.structs.replace(meta, store_after_load=False)))
+
+
+def test_a_store_not_held_behind_a_stalled_load_corrupts_its_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planted bug: the worker drops `store_after_load` and does not check its loads in flight."""
+    drop_store_after_load(monkeypatch)
+    monkeypatch.setattr(LoadReads, "readers", lambda self, cpu_block_ids: ())
     assert any(wrong for _, _, wrong in (run_with_stalled_loads(seed) for seed in range(8)))
+
+
+def test_a_store_the_metadata_does_not_order_is_held_by_the_worker_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Metadata without `store_after_load` (a scheduler bug): the workers' check of their loads in flight
+    orders those stores after the stalled loads anyway, so no request reads wrong K/V, and the engine's
+    check reports the overlap."""
+    drop_store_after_load(monkeypatch)
+    reported = 0
+    for seed in range(8):
+        try:
+            _, _, wrong = run_with_stalled_loads(seed)
+        except StoreReadOverlapError:
+            reported += 1
+        else:
+            assert not wrong, seed
+    assert reported > 0
 
 
 @pytest.mark.cudasim

@@ -13,7 +13,7 @@ from scheduler_machine import BS, PREFIXES, Running, SchedulerMachine
 from offload_connector.config import load_config
 from offload_connector.metadata import TierReport
 from offload_connector.tier_identity import TierIdentity
-from scheduler_side import BlockPool, BlockPoolGpuView, OffloadScheduler, StepRequest
+from scheduler_side import BlockPool, BlockPoolGpuView, OffloadScheduler
 
 pytest.importorskip("redis", reason="the remote tier's client needs the `redis` package")
 IDENTITY = TierIdentity(model="m", block_size=BS, hash_algo="xxh3_128", layout="test")
@@ -88,25 +88,12 @@ class RemoteMachine(SchedulerMachine):
         self._admit(FakeRequest(rid, PREFIXES[prefix] + [7000 + self.next_id] * extra, BS), 0)
 
     def _record(self, meta):
-        self.check_store_targets(meta)
-        self.sent_loads.extend(meta.load_event_reqs)
-        if meta.store_event is not None:
-            self.stores[meta.store_event] = list(meta.store_gpu_blocks)
+        super()._record(meta)
         if tier_ops(meta).fetch_event is not None:
             self.fetches[tier_ops(meta).fetch_event] = list(tier_ops(meta).fetch_cpu_blocks)
         assert len(tier_ops(meta).write_cpu_blocks) == len(tier_ops(meta).write_keys)
         for cpu_id, key in zip(tier_ops(meta).write_cpu_blocks, tier_ops(meta).write_keys, strict=True):
             assert self.sched.cpu_pool.blocks[cpu_id].block_hash != key  # evicted: no longer cached there
-
-    @rule(data=st.data())
-    def step(self, data):
-        steps = []
-        for rid, r in self.reqs.items():
-            if r.loading or r.computed >= r.req.num_tokens:
-                continue
-            r.computed = min(r.req.num_tokens, r.computed + data.draw(st.integers(1, 9)))
-            steps.append(StepRequest(rid, r.gpu_ids, r.computed, True))
-        self._record(self.sched.build_connector_meta(steps))
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data(), found=st.integers(-1, 4))
