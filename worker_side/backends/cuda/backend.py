@@ -1,12 +1,13 @@
-"""CUDA transfer backend: one load stream, one store stream, event fences, batched submission.
+"""CUDA transfer backend: a load stream and a store stream (each with a helper), event fences, three paths.
 
 Every CUDA call goes through the `CudaRuntime` seam (api.py): `TorchCudaRuntime` (runtime.py) on a GPU, the
 simulated device (worker_side/testing/cuda_sim.py) in tests, where a missing fence is an integrity error.
 This class binds to the KV cache and coordinates three parts, each owning its state:
 - `fences` (fences.py): the step fence and the event pool; loads wait for the compute launched before
   this step's forward, stores for everything launched before them;
-- `paths` (copy_paths.py): how a job's copies are issued (one kernel launch, one batched memcpy, or one
-  memcpy per segment), with the copy geometry and the kernel's arguments;
+- `paths` (copy_paths.py): how a job's copies are issued (staged through a GPU ring (staging.py), one direct
+  kernel launch, batched memcpy calls, or one memcpy per segment), with the copy geometry, the kernels'
+  arguments, each direction's helper DMA stream and the staging ring;
 - `_jobs` (inflight.py): the submitted, unreported jobs per direction, in submission order.
 
 Per engine step (vLLM 0.32 order; docs/worker.md has the diagram): `begin_step()` before the forward is
@@ -19,10 +20,13 @@ priority: in practice CUDA's default, which the compute stream has too). `submit
 copy: a driver error of any kind (CudaError, or an error code the bindings cannot name) makes the job fail,
 and its result says so; only our own invariant errors propagate.
 Binding: the KV cache's device is taken from the tensors (`tensor_device`) and made current before any
-driver call, so no context appears on another GPU. The kernel is used only where the pool is pinned, the
+driver call, so no context appears on another GPU. The kernels run only where the pool is pinned, the
 device lets kernels read registered host memory at its host address (`can_use_host_pointer`) and the
-runtime has it (`supports_kernel`); otherwise one start-up line says why not (`kernel_off_reason`). With
-`calibrate`, a short calibration (calibration.py) then picks the policy for this device.
+runtime has them (`supports_kernel`); the direct kernel only where the configuration allows it
+(`kernel_off_reason`), the staged path only where its ring could be had (`staged_off_reason`); each says
+why not in one start-up line. The host pool's layout (`host_layout`) is `blocks` where staging is on or the
+cache is block-outermost. With `calibrate`, a short calibration (calibration.py) then picks the policy for
+this device; one line names the paths in force and the staging ring.
 Host pool: pinned synchronously in `bind` (registration ranges from host_pool: page aligned, <= 64 GiB),
 on the engine's thread with the KV cache's device current. If pinning fails the pool stays pageable: one
 warning, `num_pin_failures` counts it, and every copy is a staged per-segment `memcpy` issued by a copy
