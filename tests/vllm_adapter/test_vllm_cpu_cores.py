@@ -25,21 +25,15 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
 from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
+from vllm_sim_helpers import MODEL_DIR  # noqa: E402
 
 import offload_connector.vllm.plugin as plugin  # noqa: E402
 from offload_connector.vllm import compat, cpu_cores  # noqa: E402
 from offload_connector.vllm.compat import RESERVED_CPU_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL_DIR = str(Path(__file__).resolve().parents[1] / "tiny_llama")
-ENGINE_KWARGS = dict(model=MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, block_size=32,
-                     enforce_eager=True, max_model_len=256, dtype="float32")
 OURS = {"kv_connector": "OffloadConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes": "8MiB"}}
 
 # Run in the worker: its torch threads, the OpenMP placement vLLM gave it, and the cores its threads may run on.
@@ -74,6 +68,7 @@ def _worker_binding(tmp_path: Path, *connector: str) -> tuple[list[dict], str]:
     script = tmp_path / "binding.py"
     script.write_text(BINDING_SCRIPT)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # collective_rpc with a function
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", RESERVED_CPU_ENV, cpu_cores.OURS_MARK_ENV):
         env.pop(name, None)  # as users run it: engine core and workers in processes of their own
@@ -100,11 +95,13 @@ def clean_env(monkeypatch) -> None:
     plugin.register()
     for name in (RESERVED_CPU_ENV, cpu_cores.OURS_MARK_ENV):
         monkeypatch.delenv(name, raising=False)  # restored to absent after each test, whatever the plugin set
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # (else the CPU platform turns "uni" into "mp")
 
 
 def create(kv_transfer_config: KVTransferConfig | None, backend: str | None = "mp"):
-    return EngineArgs(**ENGINE_KWARGS, kv_transfer_config=kv_transfer_config,
-                      distributed_executor_backend=backend).create_engine_config()
+    """vLLM's config for the test model, as `vllm.LLM` builds it (the plugin's wrapper runs)."""
+    return EngineArgs(model=MODEL_DIR, load_format="dummy", skip_tokenizer_init=True, max_model_len=256,
+                      kv_transfer_config=kv_transfer_config, distributed_executor_backend=backend).create_engine_config()
 
 
 def test_ours_alone_gets_the_reservation_of_no_connector_and_the_next_engine_gets_it_back() -> None:
