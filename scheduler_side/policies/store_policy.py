@@ -128,6 +128,12 @@ class StorePolicy:
         """The tiers dropped `key`'s copy to make room for another (the CPU tier's LRU or ARC choice, or a
         write-back lower tier's eviction when that tier keeps the CPU's evictions)."""
 
+    @property
+    def hears_cpu_evictions(self) -> bool:
+        """Whether `on_cpu_evicted` changes anything now (False: the scheduler may leave the CPU tier's
+        evictions untold; a write-back lower tier's are told either way)."""
+        return False
+
     def lends_load_slots(self) -> bool:
         """May this step's stores take the slots of blocks this step's loads read (nobody else holds them)?
         Their CPU copies are forgotten at once; the workers write the stores after the loads read them."""

@@ -98,11 +98,12 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take one more reference on each block, removing it from the free queue if it was free."""
+        null_block, remove = self.null_block, self.free_queue.remove
         for block in blocks:
-            if block is self.null_block:
+            if block is null_block:
                 raise PoolError("touch of the null block 0 (caller bug)")
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                remove(block)
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[Block], front: bool = False) -> None:
