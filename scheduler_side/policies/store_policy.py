@@ -160,11 +160,12 @@ class EagerStorePolicy(StorePolicy):
         self._picked: set[bytes] = set()
         self._suffix = group_suffix(view.group_id)
         self._cached, self._reserved = view.saved_key_maps()  # live maps, read only
+        self._block_size = view.block_size
 
     def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None:
         """Pick the full blocks the forward completes that are not saved; advances the store cursor."""
         start = state.num_store_checked_blocks
-        end = num_computed_tokens // self.view.block_size
+        end = num_computed_tokens // self._block_size
         if end <= start:
             return  # the common decode step: no block completed
         hashes, gpu_block_ids, view = state.request.block_hashes, state.gpu_block_ids, self.view

@@ -24,6 +24,7 @@ class FreeBlockQueue(EvictionPolicy):
     pool, `BlockPool` with no `eviction`); also the list each CPU-tier policy keeps its blocks in."""
 
     empty_first = False
+    hears_held_content = False  # its lists hold free blocks only
 
     def __init__(self, blocks: list[Block], history: int | None = None) -> None:
         self._head = Block(-1)

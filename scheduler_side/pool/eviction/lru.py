@@ -34,6 +34,7 @@ class LruBlock(Block):
 
 class LruEviction(EvictionPolicy):
     block_type = LruBlock
+    hears_held_content = False  # its lists hold free blocks only
 
     def __init__(self, blocks: list[LruBlock], history: int | None = None) -> None:
         self._lists = (None, FreeBlockQueue([]), FreeBlockQueue([]))
