@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 _block_id = attrgetter("block_id")
-_step = tuple.__new__  # StepRequest(...) without its Python-level __new__ (per scheduled request)
+_step = tuple.__new__  # StepRequest(...) without its Python-level __new__ (per scheduled request, new or running)
 
 
 class SchedulerRole:
@@ -95,8 +95,8 @@ class SchedulerRole:
         steps: list[StepRequest] = []
         for new in scheduler_output.scheduled_new_reqs:
             ids = (new.block_ids[0] if new.block_ids else []) if one else (new.block_ids or empty)
-            steps.append(StepRequest(new.req_id, ids, new.num_computed_tokens + num_scheduled.get(new.req_id, 0),
-                                     True))
+            steps.append(_step(StepRequest, (new.req_id, ids, new.num_computed_tokens + num_scheduled.get(new.req_id, 0),
+                                             True)))
         cached = scheduler_output.scheduled_cached_reqs
         bs = self.block_size
         resumed_ids = cached.resumed_req_ids

@@ -170,16 +170,17 @@ class EagerStorePolicy(StorePolicy):
             return  # the common decode step: no block completed
         hashes, gpu_block_ids, view = state.request.block_hashes, state.gpu_block_ids, self.view
         end = min(end, len(hashes), len(gpu_block_ids))
-        suffix, picked, picks, cached, reserved = self._suffix, self._picked, self._picks, self._cached, self._reserved
+        suffix, picked, cached, reserved = self._suffix, self._picked, self._cached, self._reserved
+        pick_id, pick_key = self._picks.gpu_ids.append, self._picks.keys.append
         is_dead = view.is_dead if view.may_have_dead() else None
         for i in range(start, end):
             key = hashes[i] + suffix  # with_group_id, inlined (per block)
             gpu_id = gpu_block_ids[i]
-            if gpu_id == 0 or key in picked or key in cached or key in reserved or (is_dead and is_dead(key)):
+            if gpu_id == 0 or key in cached or key in picked or key in reserved or (is_dead and is_dead(key)):
                 continue  # the null block, or already picked, on the CPU or being stored, or refused
             picked.add(key)
-            picks.gpu_ids.append(gpu_id)
-            picks.keys.append(key)
+            pick_id(gpu_id)
+            pick_key(key)
         state.num_store_checked_blocks = max(start, end)
 
     def on_scheduled_groups(self, state: RequestState, num_computed_before: int, num_computed_tokens: int,
