@@ -237,7 +237,8 @@ def cpu_cores_reserved(vllm_config: Any, kv_transfer_config: Any) -> int | None:
     on x86, ARM and RISC-V, else 1) and adds more for any `kv_transfer_config` (0.32: the local world size;
     meant for NIXL's transfer threads), then parses the CPU lists (which reads the topology and logs). That
     `__init__` runs here with the parsing skipped and a view of `vllm_config` whose `kv_transfer_config`
-    is replaced, so the figure is the installed release's own."""
+    is replaced, so the figure is the installed release's own (None when that `__init__` raises, e.g. on
+    an OpenMP set-up vLLM refuses)."""
     try:
         from vllm.utils.ompmultiprocessing import OMPProcessManager
     except ImportError:
@@ -254,7 +255,10 @@ def cpu_cores_reserved(vllm_config: Any, kv_transfer_config: Any) -> int | None:
         def __getattr__(self, name: str) -> Any:
             return getattr(vllm_config, name)
 
-    manager = ReserveOnly(ConfigView())
+    try:
+        manager = ReserveOnly(ConfigView())
+    except Exception:  # noqa: BLE001 - a set-up vLLM refuses (its executor says why, later): figure unknown
+        return None
     reserved = getattr(manager, "reserve_cpu_num", None)  # unset off the CPU platform (__init__ returns)
     return None if reserved is None else int(reserved)
 

@@ -279,12 +279,13 @@ def test_replicated_kv_and_one_host_read_what_vllm_resolves(vllm_module) -> None
 def test_reserved_cpu_cores_are_vllms_own_figure(vllm_module, monkeypatch, world_size: int) -> None:
     """`cpu_cores_reserved` runs `OMPProcessManager.__init__` without its CPU-list parsing: the same
     `reserve_cpu_num` as the whole class, and more of them for a config with a KV connector."""
+    from vllm.config import ParallelConfig
     from vllm.platforms import current_platform
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
     monkeypatch.delenv(compat.RESERVED_CPU_ENV, raising=False)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the whole class, without reading the topology
-    parallel = SimpleNamespace(local_world_size=world_size, data_parallel_rank_local=None, _api_process_count=1)
+    parallel = ParallelConfig(tensor_parallel_size=world_size)
     connector = SimpleNamespace(kv_connector="OffloadConnector")
     reserved = {}
     for name, ktc in (("without", None), ("with", connector)):
