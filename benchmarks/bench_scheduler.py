@@ -7,6 +7,10 @@ after `--warmup-steps` untimed steps. Headline: ours_vs_simple = (ours - none) /
 connector overhead above no connector, ours divided by Simple's (goal <= 0.5). `--simple-lazy` runs Simple
 with its `lazy_offload` mode instead: each step it walks on along the GPU free queue from where it stopped,
 about twice the per-step token budget in blocks, and stores the cached blocks it passes that the CPU lacks.
+`--like-with-like` runs five variants in one lockstep run: none, both connectors in their default store mode
+(Simple eager, ours lazy) and in their other one (`simple_lazy`, `ours_eager`); its JSON adds
+`like_with_like`: per mode, ours' overhead over Simple's (`ratio`, goals: lazy <= 1.0, eager <= 0.5) and both
+hit token counts (GPU + CPU hits).
 
 Workload (defaults; about 97 requests running): requests arrive at `--rate` per step; each prompt is
 one of `--prefixes` shared prefixes of `--prefix-blocks` blocks (Zipf-like popularity) + 1-4 unique
@@ -25,6 +29,7 @@ AsyncScheduler and two batches in flight, the default of vLLM's GPU builds) and 
 
     python benchmarks/bench_scheduler.py [--workload default|hit-heavy] [--json] [--breakdown] [--repeats N]
                                          [--profile ours|simple|none] [--store-policy eager|lazy] [--simple-lazy]
+                                         [--like-with-like]
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path[:0] = [str(ROOT), str(ROOT.parent)]
 
-from vllm_sim import REMOTE_VARIANT, VARIANTS, SimShape, VllmSim, instrument_connector  # noqa: E402
+from vllm_sim import OTHER_MODES, REMOTE_VARIANT, VARIANTS, SimShape, VllmSim, instrument_connector  # noqa: E402
 
 # Preset workloads: argparse defaults that explicit flags override. "default" is the flags' own defaults.
 WORKLOADS: dict[str, dict] = {
@@ -110,7 +115,8 @@ def run_lockstep(arrivals: list[Arrival], args: argparse.Namespace,
     The garbage collector is off while stepping and runs, untimed, every 50 steps: one variant's garbage
     must not be collected inside another's timed step.
     """
-    variants = VARIANTS + ((REMOTE_VARIANT,) if getattr(args, "remote_url", None) else ())
+    variants = (VARIANTS + ((REMOTE_VARIANT,) if getattr(args, "remote_url", None) else ())
+                + (OTHER_MODES if getattr(args, "like_with_like", False) else ()))
     feeds = {v: Feed(VllmSim(v, shape_of(args), store_delay=args.store_delay), arrivals) for v in variants}
     timed_steps = dict.fromkeys(variants, 0)
     hooks = {v: instrument_connector(f.sim) for v, f in feeds.items()} if breakdown else {}
@@ -241,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=300)
     p.add_argument("--repeats", type=int, default=1, help="lockstep runs; each variant's lowest us/step kept")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", choices=VARIANTS, help="cProfile the timed steps of this variant (extra run)")
+    p.add_argument("--profile", choices=VARIANTS + OTHER_MODES,
+                   help="cProfile the timed steps of this variant (extra run)")
     p.add_argument("--profile-top", type=int, default=25)
     p.add_argument("--breakdown", action="store_true",
                    help="extra run timing each connector hook (CPU us/step per hook, both connectors)")
@@ -250,11 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--simple-lazy", action="store_true",
                    help="run Simple with its lazy_offload mode (a cursor along the GPU free queue) instead of its "
                         "default (every computed block); the idle-engine steps-to-first-compute stay Simple's default")
+    p.add_argument("--like-with-like", action="store_true",
+                   help="also run Simple's lazy_offload (simple_lazy) and ours with store_policy eager (ours_eager), "
+                        "and compare each mode with the same mode of the other connector")
     p.add_argument("--json", action="store_true")
     p.add_argument("--remote", action="store_true",
                    help="also run ours with the remote tier on (a throwaway redis-server on a loopback port)")
     p.set_defaults(**WORKLOADS[p.parse_known_args(argv)[0].workload])
     args = p.parse_args(argv)
+    if args.like_with_like and (args.store_policy or args.simple_lazy):
+        p.error("--like-with-like runs both store modes of both connectors: drop --store-policy and --simple-lazy")
 
     arrivals = make_workload(args)
     started = time.perf_counter()
@@ -281,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         hidden.add("store_policy")
     if not args.simple_lazy:
         hidden.add("simple_lazy")
+    if not args.like_with_like:
+        hidden.add("like_with_like")
     if args.workload == "default":  # the default JSON keeps its keys
         hidden |= {"workload", "zipf"}
     else:
@@ -303,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         "workload": {k: v for k, v in vars(args).items() if k not in hidden},
         "wall_seconds": round(time.perf_counter() - started, 1),
     }
+    if args.like_with_like:
+        out["like_with_like"] = {mode: like_with_like(results, ours, simple)
+                                 for mode, ours, simple in (("lazy", "ours", "simple_lazy"), ("eager", "ours_eager", "simple"))}
     if args.remote:  # the tier's cost: scheduler thread, and with the lookup thread's CPU time added
         remote = results[REMOTE_VARIANT]
         out["remote_us_per_step"] = remote["us_per_step"]
@@ -316,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         profile_text = hotspots(profiler, args.profile_top, profiled[args.profile]["timed_steps"])
     if args.breakdown:
         timed = run_lockstep(arrivals, args, breakdown=True)
-        out["hook_us_per_step"] = {v: timed[v]["hook_us_per_step"] for v in ("simple", "ours")}
+        out["hook_us_per_step"] = {v: timed[v]["hook_us_per_step"] for v in timed if "hook_us_per_step" in timed[v]}
     ok = not any(r["problems"] for r in results.values())
     if args.json:
         print(json.dumps(out, indent=2))
@@ -325,6 +342,18 @@ def main(argv: list[str] | None = None) -> int:
     if profile_text:
         print(profile_text, file=sys.stderr if args.json else sys.stdout)
     return 0 if ok else 1
+
+
+def like_with_like(results: dict[str, dict], ours: str, simple: str) -> dict:
+    """Ours in one store mode against Simple in the same mode, from one lockstep run: overheads above no
+    connector, their ratio, and the tokens each served from a cache (GPU hits + CPU hits)."""
+    none = results["none"]["us_per_step"]
+    ours_over, simple_over = results[ours]["us_per_step"] - none, results[simple]["us_per_step"] - none
+    hits = {v: results[v]["gpu_hit_tokens"] + results[v]["cpu_hit_tokens"] for v in (ours, simple)}
+    return {"ours": ours, "simple": simple, "ours_overhead_us": round(ours_over, 1),
+            "simple_overhead_us": round(simple_over, 1),
+            "ratio": round(ours_over / simple_over, 3) if simple_over > 0 else None,
+            "ours_hit_tokens": hits[ours], "simple_hit_tokens": hits[simple]}
 
 
 def print_readable(out: dict) -> None:
@@ -336,9 +365,9 @@ def print_readable(out: dict) -> None:
             "gpu_hit_tokens": "GPU-hit tok", "cpu_hit_tokens": "CPU-hit tok", "stored_blocks": "stored blk",
             "loaded_blocks": "loaded blk", "preemptions": "preempt", "steps_to_first_compute_mean": "1st-compute",
             "steps_to_first_compute_max": "(max)", "cpu_hit_share": "CPU-hit share"}
-    print(f"{'':8}" + "".join(f"{h:>13}" for h in cols.values()))
+    print(f"{'':12}" + "".join(f"{h:>13}" for h in cols.values()))
     for variant, r in out["variants"].items():
-        print(f"{variant:8}" + "".join(f"{'-' if r.get(c) is None else r[c]:>13}" for c in cols))
+        print(f"{variant:12}" + "".join(f"{'-' if r.get(c) is None else r[c]:>13}" for c in cols))
         for problem in r["problems"]:
             print(f"  PROBLEM ({variant}): {problem}")
     simple = "Simple (lazy_offload)" if w.get("simple_lazy") else "Simple"
@@ -348,6 +377,10 @@ def print_readable(out: dict) -> None:
           f"{out['ours_steps_to_first_compute']}, Simple {out['simple_steps_to_first_compute']}; async scheduling "
           f"(2 batches in flight): ours {out['ours_async_steps_to_first_compute']}, "
           f"Simple {out['simple_async_steps_to_first_compute']}")
+    for mode, row in out.get("like_with_like", {}).items():
+        print(f"{mode}: {row['ours']} overhead {row['ours_overhead_us']} us vs {row['simple']} {row['simple_overhead_us']} us "
+              f"-> ratio {row['ratio']} (goal <= {1.0 if mode == 'lazy' else 0.5}); hit tokens {row['ours_hit_tokens']} vs "
+              f"{row['simple_hit_tokens']}")
     for variant, hooks in out.get("hook_us_per_step", {}).items():
         total = round(sum(hooks.values()), 1)
         print(f"{variant} hooks, CPU us/step (total {total}): "

@@ -74,6 +74,9 @@ EOS = 2
 TOKEN = 7  # every fake sampled token (never EOS: requests run to max_tokens)
 VARIANTS = ("none", "simple", "ours")
 REMOTE_VARIANT = "ours_remote"  # ours with the remote tier on (bench_scheduler.py --remote; needs a server)
+# Each connector in its other store mode (bench_scheduler.py --like-with-like): Simple's `lazy_offload`, ours
+# with `store_policy: eager` (ours' default is lazy, Simple's eager).
+OTHER_MODES = ("simple_lazy", "ours_eager")
 
 init_none_hash(sha256)
 
@@ -98,23 +101,23 @@ def build_scheduler(variant: str, shape: SimShape) -> Scheduler:
     page = spec.page_size_bytes
     if variant == "none":
         kv_transfer = None
-    elif variant in ("ours", REMOTE_VARIANT):
+    elif variant in ("ours", "ours_eager", REMOTE_VARIANT):
         extra: dict = {"num_cpu_blocks": shape.num_cpu_blocks}
-        if shape.store_policy is not None:
-            extra["store_policy"] = shape.store_policy
+        if variant == "ours_eager" or shape.store_policy is not None:
+            extra["store_policy"] = "eager" if variant == "ours_eager" else shape.store_policy
         if variant == REMOTE_VARIANT:
             extra["remote"] = {"url": shape.remote_url, "namespace": "sim", "timeout_ms": 1000}
         kv_transfer = KVTransferConfig(
             kv_connector="OffloadConnector", kv_connector_module_path="offload_connector.vllm_connector",
             kv_role="kv_both", kv_connector_extra_config=extra)
-    elif variant == "simple":
+    elif variant in ("simple", "simple_lazy"):
         # Simple sizes its pool as num_gpu_blocks * cpu_bytes // gpu_bytes: exactly num_cpu_blocks here.
         kv_transfer = KVTransferConfig(
             kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both",
             kv_connector_extra_config={"cpu_bytes_to_use": shape.num_cpu_blocks * page,
-                                       "lazy_offload": shape.simple_lazy})
+                                       "lazy_offload": shape.simple_lazy or variant == "simple_lazy"})
     else:
-        raise ValueError(f"variant {variant!r}; allowed: {', '.join(VARIANTS)}")
+        raise ValueError(f"variant {variant!r}; allowed: {', '.join(VARIANTS + OTHER_MODES)}")
     model_config = ModelConfig(model=MODEL_DIR, skip_tokenizer_init=True, dtype="float32", seed=0,
                                max_model_len=shape.max_model_len)
     scheduler_config = SchedulerConfig(
@@ -260,9 +263,9 @@ def make_worker(variant: str, load_delay: int | None, store_delay: int, sched: S
         identity = sched.connector.offload.tier_identity
         return OursRemoteWorker(0 if load_delay is None else load_delay, store_delay, key_prefix(identity, "sim"),
                                 BlockParts.of(identity, 0, 1).labels, url)
-    if variant == "ours":
+    if variant in ("ours", "ours_eager"):
         return OursWorker(0 if load_delay is None else load_delay, store_delay)
-    if variant == "simple":
+    if variant in ("simple", "simple_lazy"):
         return SimpleWorker(1 if load_delay is None else load_delay, store_delay)
     return NoWorker(0, 0)
 

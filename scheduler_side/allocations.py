@@ -57,7 +57,7 @@ class Allocations:
         if state is not None and state.request is not request:
             raise SchedulerError(f"update_state_after_alloc for request id {request.request_id!r} with a different "
                                  "request object than the live one; request ids must be unique")
-        if state is not None and state.phase in (Phase.LOADING, Phase.FINISHED):
+        if state is not None and (state.phase is Phase.LOADING or state.phase is Phase.FINISHED):
             raise SchedulerError(f"update_state_after_alloc for request {request.request_id} while "
                                  f"{state.phase.value}")
         hit = state.pending_hit if state is not None else None
@@ -70,7 +70,7 @@ class Allocations:
         else:
             state.gpu_block_ids = list(gpu_block_ids)
         state.num_computed_tokens = 0
-        if state.phase in (Phase.LOOKED_UP, Phase.PENDING_HIT):  # admitted: the GPU hit is now the request's
+        if state.phase is Phase.LOOKED_UP or state.phase is Phase.PENDING_HIT:  # admitted: the GPU hit is now its
             state.num_store_checked_blocks = state.num_gpu_hit_blocks + n
             self.stats.num_lookup_tokens += max(0, request.num_tokens - state.num_gpu_hit_blocks * self.block_size)
             if self.hints:

@@ -40,6 +40,7 @@ class Lookups:
         self.tiers, self.hybrid = tiers, hybrid  # the lower tiers, nearest first (empty: none)
         self.block_size, self.group_id, self.max_store_wait_steps = block_size, group_id, max_store_wait_steps
         self.hints = cpu_pool.free_queue.wants_hints  # misses cost a loop per lookup; only some policies learn
+        self._suffix = group_suffix(group_id)  # a block hash + this = its CPU key (`with_group_id`)
 
     def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
         """CPU hit after the engine's GPU hit: (tokens to load, load is async), or (None, False) to retry.
@@ -79,7 +80,7 @@ class Lookups:
         first = num_computed_tokens // bs
         last = min(len(hashes), (request.num_tokens - 1) // bs)  # keep >= 1 token to compute
         hits: list[Block] = []
-        cached, reserved, suffix = self.cpu_pool.cached, self.cpu_pool.reserved, group_suffix(self.group_id)
+        cached, reserved, suffix = self.cpu_pool.cached, self.cpu_pool.reserved, self._suffix
         for i in range(first, last):
             key = hashes[i] + suffix  # with_group_id, inlined (per block)
             block = cached.get(key)

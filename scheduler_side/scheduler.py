@@ -130,6 +130,14 @@ class OffloadScheduler:
                              self.allocate_cpu, self._tiers, lend_load_slots)
         self.completions = Completions(self.transfers, self.cpu_pool, gpu_pool, self.policy, self.stats,
                                        self.kv_events, self.tiers, world_size)
+        self._listen_to_cpu_evictions()
+
+    def _listen_to_cpu_evictions(self) -> None:
+        """The CPU pool calls `_on_cpu_evict` only while someone hears of it: the KV event log, or a store
+        policy that still counts evictions (`StorePolicy.hears_cpu_evictions`). Per evicted block that is a
+        chain of calls; most steps of a full tier evict. Re-checked once a step and when events turn on."""
+        wanted = self.kv_events.enabled or self.policy.hears_cpu_evictions
+        self.cpu_pool.on_evict = self._on_cpu_evict if wanted else None
 
     def _on_cpu_evict(self, key: bytes, evicted: bool) -> None:
         """The CPU pool dropped `key`: evicted by allocation (`evicted`; the store policy hears of it unless a
@@ -146,6 +154,7 @@ class OffloadScheduler:
     @emit_kv_events.setter
     def emit_kv_events(self, enabled: bool) -> None:
         self.kv_events.enabled = enabled
+        self._listen_to_cpu_evictions()
 
     # ------------------------------------------------------------------ 1.-4. the step, in vLLM's order
     def get_num_new_matched_tokens(self, request: RequestLike, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -159,6 +168,7 @@ class OffloadScheduler:
 
     def build_connector_meta(self, scheduled: Iterable[StepRequest]) -> TransferMetadata:
         """This step's transfers: all new loads as one event, the chosen stores as another."""
+        self._listen_to_cpu_evictions()  # (the policy may have stopped counting at a lookup)
         meta = TransferMetadata()
         loaded = self.allocations.send_loads(meta)  # this step's load jobs: the store may take their slots
         self.stores.schedule(scheduled)

@@ -54,6 +54,7 @@ class Stores:
                 if state is not None:
                     self.hybrid.schedule(state, new_gpu_block_ids, num_computed_tokens, replace_blocks)
             return
+        num_allocated = 0  # told once for the step (the policy reads it only at `pick_stores`)
         for req_id, new_gpu_block_ids, num_computed_tokens, replace_blocks in scheduled:
             state = requests.get(req_id)
             if state is None:
@@ -62,10 +63,11 @@ class Stores:
                 state.gpu_block_ids = list(new_gpu_block_ids)
             else:
                 state.gpu_block_ids.extend(new_gpu_block_ids)
-                if new_gpu_block_ids:
-                    on_alloc(len(new_gpu_block_ids))
+                num_allocated += len(new_gpu_block_ids)
             state.num_computed_tokens = num_computed_tokens
             on_scheduled(state, num_computed_tokens)
+        if num_allocated:
+            on_alloc(num_allocated)
 
     def emit(self, meta: TransferMetadata, loaded: Sequence[LoadJob]) -> None:
         """The policy's picks as this step's store event in `meta` (`loaded`: this step's load jobs)."""

@@ -12,6 +12,8 @@ function per quirk, each saying what the supported releases (`SUPPORTED_VLLM`: 0
 - how vLLM resolves a few fields late (`hybrid_manager_on`, `hash_block_size`, `kv_cache_layout`);
 - which TP ranks hold byte-identical KV, and whether they share a host (`kv_tp_replicas`, `uses_mla`,
   `on_cpu`, `workers_on_one_host`);
+- the cores vLLM's CPU executor keeps from the model, one more per rank for any KV connector
+  (`cpu_cores_reserved`);
 - the GPU free queue's links, read to walk the eviction frontier fast (`free_queue_reader`);
 - engine internals: the worker's tensor-parallel rank and a barrier over the TP ranks
   (`tensor_parallel_rank`, `tensor_parallel_barrier`) and the in-process engine's scheduler and connector
@@ -252,6 +254,45 @@ def workers_on_one_host(parallel_config: Any) -> bool:
     resolved to "mp" for single-node TP on CUDA and CPU ("uni" at world size 1, "ray" or
     "external_launcher" otherwise); `nnodes` counts the nodes of the engine."""
     return parallel_config.distributed_executor_backend == "mp" and int(getattr(parallel_config, "nnodes", 1)) == 1
+
+
+# ---------------------------------------------------------------- the CPU executor's reserved cores
+RESERVED_CPU_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def cpu_cores_reserved(vllm_config: Any, kv_transfer_config: Any) -> int | None:
+    """How many cores vLLM's CPU executor keeps away from the workers' OpenMP threads (for the engine core
+    and other threads) for `vllm_config` with `kv_transfer_config` in place of its own, as computed with
+    `VLLM_CPU_NUM_OF_RESERVED_CPU` unset; None off the CPU platform or where vLLM has no such computation.
+    0.32, 0.33: the multiprocess executor builds `OMPProcessManager(vllm_config)`
+    (vllm/utils/ompmultiprocessing.py), whose `__init__` sets `reserve_cpu_num` (0.32: the local world size
+    on x86, ARM and RISC-V, else 1) and adds more for any `kv_transfer_config` (0.32: the local world size;
+    meant for NIXL's transfer threads), then parses the CPU lists (which reads the topology and logs). That
+    `__init__` runs here with the parsing skipped and a view of `vllm_config` whose `kv_transfer_config`
+    is replaced, so the figure is the installed release's own (None when that `__init__` raises, e.g. on
+    an OpenMP set-up vLLM refuses)."""
+    try:
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
+    except ImportError:
+        return None
+
+    class ReserveOnly(OMPProcessManager):  # __init__ without the CPU-list parsing
+        def _parse_omp_threads_bind_env(self) -> None:
+            self.auto_setup, self.skip_setup = True, False
+
+    class ConfigView:
+        def __init__(self) -> None:
+            self.kv_transfer_config = kv_transfer_config
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(vllm_config, name)
+
+    try:
+        manager = ReserveOnly(ConfigView())
+    except Exception:  # noqa: BLE001 - a set-up vLLM refuses (its executor says why, later): figure unknown
+        return None
+    reserved = getattr(manager, "reserve_cpu_num", None)  # unset off the CPU platform (__init__ returns)
+    return None if reserved is None else int(reserved)
 
 
 # ---------------------------------------------------------------- the GPU free queue

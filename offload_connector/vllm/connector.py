@@ -77,6 +77,7 @@ from offload_connector.sizing import (
     mem_available_bytes,
     shm_free_bytes,
 )
+from offload_connector.vllm import cpu_cores
 from offload_connector.vllm.compat import check_vllm_version
 from offload_connector.vllm.early_check import ranks_on_host
 from offload_connector.vllm.engine_setup import (
@@ -118,13 +119,15 @@ logger = logging.getLogger(__name__)
 def startup_line(role: str, extra: Any, config: Any, backend: str, capacity: Capacity, layout: str = "") -> str:
     """The one INFO line each role logs at start-up: where the config came from, what `transfer.backend`
     resolved to, the store and eviction policies, one rank's CPU tier in bytes, blocks and tokens, and the
-    KV-cache layout (kv_layout.describe_layout)."""
+    KV-cache layout (kv_layout.describe_layout), and the cores the plugin left to the model on vLLM's CPU
+    build (cpu_cores.py), if it did."""
     requested = config.transfer.backend
     resolved = f"{requested} -> {backend}" if requested != backend else backend
     tiers = "".join(f"; {TIERS[name].describe(section)}" for name, section in lower_tier_sections(config))
     return (f"OffloadConnector {role}: config from {describe_config_source(extra)}; transfer.backend={resolved}, "
             f"store_policy={config.store_policy}, eviction={config.eviction}; CPU tier {capacity.describe()} "
-            f"(block_size={capacity.block_size}){tiers}" + (f"; {layout}" if layout else ""))
+            f"(block_size={capacity.block_size}){tiers}" + (f"; {layout}" if layout else "")
+            + cpu_cores.startup_note())
 
 
 def _backend_in_this_process(requested: str) -> str:

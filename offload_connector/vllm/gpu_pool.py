@@ -83,21 +83,24 @@ class VllmGpuPool:
         """Drop one reference per id listed. At zero vLLM's `free_blocks` queues a block (hashed: tail,
         unhashed: head); with `front` the blocks reaching zero then go to the head, first listed first."""
         blocks = self._blocks(gpu_block_ids)
-        if blocks and min(map(_ref_cnt, blocks)) <= 0 or len(set(gpu_block_ids)) != len(gpu_block_ids):
+        distinct = len(set(gpu_block_ids)) == len(gpu_block_ids)
+        if blocks and min(map(_ref_cnt, blocks)) <= 0 or not distinct:
             for gpu_block_id, num_frees in Counter(gpu_block_ids).items():  # the slow path names the block
                 ref_cnt = self.pool.blocks[gpu_block_id].ref_cnt
                 if ref_cnt < num_frees:
                     raise GpuPoolError(
                         f"{num_frees} free(s) of GPU block {gpu_block_id} with ref_cnt {ref_cnt} (our bug)")
-        self.pool.free_blocks(blocks)
         if not front:
+            self.pool.free_blocks(blocks)
             return
-        pool_blocks = self.pool.blocks
-        released = [pool_blocks[i] for i in dict.fromkeys(gpu_block_ids) if pool_blocks[i].ref_cnt == 0]
-        queue = self.pool.free_block_queue
-        for block in released:
-            queue.remove(block)
-        queue.prepend_n(released)  # keeps list order: the first listed block ends up nearest the head
+        # At the head: what `free_blocks` then `remove` and `prepend_n` would do, without queueing each block
+        # at vLLM's place first (the blocks are the pool's own, none the null block).
+        for block in blocks:
+            block.ref_cnt -= 1
+        if not distinct:  # a block listed twice is placed once, where it is first listed
+            blocks = list(map(self.pool.blocks.__getitem__, dict.fromkeys(gpu_block_ids)))
+        released = [block for block in blocks if block.ref_cnt == 0]
+        self.pool.free_block_queue.prepend_n(released)  # the first listed block ends up nearest the head
 
     def eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         """(gpu_block_id, cache key or None) of free blocks, walking from the head of vLLM's free queue.

@@ -15,7 +15,8 @@
   (`UnsupportedSetupError` outside the supported range), parses our config (also as a child of
   `MultiConnector`), refuses a config that serves one KV-cache group for a Mamba hybrid (vLLM cannot run
   one with its hybrid KV cache manager off) and sizes the CPU tier against the model's KV shape and the
-  host's MemAvailable.
+  host's MemAvailable. Then, on vLLM's CPU platform, `leave_cores_to_the_model` keeps vLLM's executor
+  from reserving a core for our connector (cpu_cores.py).
   vLLM loads plugins before that call (`EngineArgs.__post_init__`). The only connector hook vLLM calls
   with our config earlier is `requires_piecewise_for_cudagraph`, inside `VllmConfig.__post_init__` and
   only on GPUs with CUDA graphs; it checks too, and the wrapper re-raises our `ConfigError` from the
@@ -42,7 +43,7 @@ from typing import Any
 from offload_connector.config import ConfigError
 from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.sizing import mem_available_bytes
-from offload_connector.vllm import compat
+from offload_connector.vllm import compat, cpu_cores
 from offload_connector.vllm.early_check import (
     CONNECTOR_NAME,
     MODULE_PATH,
@@ -85,6 +86,7 @@ def _checking(create: Callable[..., Any]) -> Callable[..., Any]:
         try:
             check_engine_args(self)
             keep_hma_off_for_one_group_configs(self)
+            cpu_cores.take_back_ours()  # set for an earlier engine of this process (or its parent)
             try:
                 vllm_config = create(self, *args, **kwargs)
             except ValueError as err:
@@ -93,6 +95,7 @@ def _checking(create: Callable[..., Any]) -> Callable[..., Any]:
                     raise
                 raise ours from None  # our message as the last line, not pydantic's framing of it
             check_engine_config(vllm_config)
+            leave_cores_to_the_model(vllm_config)
         except (ConfigError, UnsupportedSetupError) as err:
             raise refusal(err, compat.usage_context_name(args, kwargs)) from None
         return vllm_config
@@ -146,8 +149,7 @@ def check_engine_config(vllm_config: Any) -> None:
     if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
         return
     for connector_cls, config in _connectors_of(vllm_config):
-        ours = sys.modules.get(MODULE_PATH)  # imported by vLLM's lookup if the class is ours or a subclass
-        if ours is not None and isinstance(connector_cls, type) and issubclass(connector_cls, ours.OffloadConnector):
+        if _is_ours(connector_cls):
             compat.check_vllm_version()
             groups = 2 if compat.is_mamba_hybrid(config) else 1  # several groups: unset means eager
             extra = config.kv_transfer_config.kv_connector_extra_config
@@ -157,6 +159,23 @@ def check_engine_config(vllm_config: Any) -> None:
                 check_capacity(config, ours_config, mem_available_bytes())
             except ConfigError as err:
                 raise located_in_extra_config(err, extra) from None
+
+
+def leave_cores_to_the_model(vllm_config: Any) -> None:
+    """If `vllm_config` selects our connector, alone or beside others in vLLM's `MultiConnector`: keep vLLM's
+    CPU executor from reserving a core for it (cpu_cores.py; beside another connector, say what to set)."""
+    kv_transfer_config = vllm_config.kv_transfer_config
+    if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
+        return
+    ours = [_is_ours(connector_cls) for connector_cls, _ in _connectors_of(vllm_config)]
+    if any(ours):
+        cpu_cores.leave_cores_to_the_model(vllm_config, only_ours=all(ours))
+
+
+def _is_ours(connector_cls: Any) -> bool:
+    """Whether a connector class is our `OffloadConnector` or a subclass of it."""
+    ours = sys.modules.get(MODULE_PATH)  # imported by vLLM's lookup if the class is ours or a subclass
+    return ours is not None and isinstance(connector_cls, type) and issubclass(connector_cls, ours.OffloadConnector)
 
 
 def check_mamba_hybrid(vllm_config: Any, config: Any) -> None:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 _block_id = attrgetter("block_id")
-_step = tuple.__new__  # StepRequest(...) without its Python-level __new__ (per scheduled request)
+_step = tuple.__new__  # StepRequest(...) without its Python-level __new__ (per scheduled request, new or running)
 
 
 class SchedulerRole:
@@ -101,8 +101,8 @@ class SchedulerRole:
         steps: list[StepRequest] = []
         for new in scheduler_output.scheduled_new_reqs:
             ids = (new.block_ids[0] if new.block_ids else []) if one else (new.block_ids or empty)
-            steps.append(StepRequest(new.req_id, ids, new.num_computed_tokens + num_scheduled.get(new.req_id, 0),
-                                     True))
+            steps.append(_step(StepRequest, (new.req_id, ids, new.num_computed_tokens + num_scheduled.get(new.req_id, 0),
+                                             True)))
         cached = scheduler_output.scheduled_cached_reqs
         bs = self.block_size
         resumed_ids = cached.resumed_req_ids
@@ -115,16 +115,17 @@ class SchedulerRole:
         kept = resumed_ids.union(drafted, previously_drafted) if drafted or previously_drafted else resumed_ids
         # StepRequest's contract: a request with no new block that completes none (a decode step) is left
         # out unless kept; most of a batch is (comprehensions, and tuple.__new__ for the StepRequests).
-        changed = [(req_id, new_ids, before + n) for req_id, new_ids, before, n in zip(
-                       cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
-                       map(num_scheduled.__getitem__, cached.req_ids), strict=True)
-                   if (before + n) // bs != before // bs or (new_ids is not None and any(new_ids)) or req_id in kept]
+        changed = zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
+                      map(num_scheduled.__getitem__, cached.req_ids), strict=True)
         if one:
-            steps += [_step(StepRequest, (req_id, new_ids[0] if new_ids else [], after, req_id in resumed_ids))
-                      for req_id, new_ids, after in changed]
+            steps += [_step(StepRequest, (req_id, new_ids[0] if new_ids else [], before + n, req_id in resumed_ids))
+                      for req_id, new_ids, before, n in changed
+                      if (before + n) // bs != before // bs or (new_ids is not None and any(new_ids)) or req_id in kept]
         else:
-            steps += [_step(StepRequest, (req_id, empty if new_ids is None else new_ids, after, req_id in resumed_ids))
-                      for req_id, new_ids, after in changed]
+            steps += [_step(StepRequest, (req_id, empty if new_ids is None else new_ids, before + n,
+                                          req_id in resumed_ids))
+                      for req_id, new_ids, before, n in changed
+                      if (before + n) // bs != before // bs or (new_ids is not None and any(new_ids)) or req_id in kept]
         return OffloadConnectorMetadata(sched.build_connector_meta(steps))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

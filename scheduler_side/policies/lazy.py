@@ -98,6 +98,11 @@ class LazyStorePolicy(StorePolicy):
         if self._evicted is not None:
             self._evicted.add(key)
 
+    @property
+    def hears_cpu_evictions(self) -> bool:
+        """Until the pressure starts: the evicted keys it counts then end with it."""
+        return self._evicted is not None
+
     def _missed_evicted(self, state: RequestState, num_cpu_hit_blocks: int) -> bool:
         """The lookup's first miss (the block after its GPU and CPU hits) is a recently evicted copy."""
         i = state.num_gpu_hit_blocks + num_cpu_hit_blocks
@@ -274,12 +279,13 @@ class LazyStorePolicy(StorePolicy):
         num = max(0, ceil(budget)) + 64  # a prefix long enough unless picks cost little: then read more
         while True:
             ids, keys = view.gpu_frontier(num)
+            # (most keys read are cached: that check first; `None` is in neither map)
             if dead is None:  # (the common case: no admission filter, one check less per block read)
                 candidates = [i for i, key in enumerate(keys)
-                              if key is not None and key not in cached and key not in reserved]
+                              if key not in cached and key not in reserved and key is not None]
             else:
-                candidates = [i for i, key in enumerate(keys) if key is not None and key not in cached
-                              and key not in reserved and not dead(key)]
+                candidates = [i for i, key in enumerate(keys) if key not in cached and key not in reserved
+                              and key is not None and not dead(key)]
             taken = set(picked)
             num_scanned, positions, short = scan_frontier(keys, candidates, budget, pick_cost, room, taken)
             if not short or len(keys) < num:

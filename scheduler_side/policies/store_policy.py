@@ -128,6 +128,12 @@ class StorePolicy:
         """The tiers dropped `key`'s copy to make room for another (the CPU tier's LRU or ARC choice, or a
         write-back lower tier's eviction when that tier keeps the CPU's evictions)."""
 
+    @property
+    def hears_cpu_evictions(self) -> bool:
+        """Whether `on_cpu_evicted` changes anything now (False: the scheduler may leave the CPU tier's
+        evictions untold; a write-back lower tier's are told either way)."""
+        return False
+
     def lends_load_slots(self) -> bool:
         """May this step's stores take the slots of blocks this step's loads read (nobody else holds them)?
         Their CPU copies are forgotten at once; the workers write the stores after the loads read them."""
@@ -154,25 +160,27 @@ class EagerStorePolicy(StorePolicy):
         self._picked: set[bytes] = set()
         self._suffix = group_suffix(view.group_id)
         self._cached, self._reserved = view.saved_key_maps()  # live maps, read only
+        self._block_size = view.block_size
 
     def on_scheduled(self, state: RequestState, num_computed_tokens: int) -> None:
         """Pick the full blocks the forward completes that are not saved; advances the store cursor."""
         start = state.num_store_checked_blocks
-        end = num_computed_tokens // self.view.block_size
+        end = num_computed_tokens // self._block_size
         if end <= start:
             return  # the common decode step: no block completed
         hashes, gpu_block_ids, view = state.request.block_hashes, state.gpu_block_ids, self.view
         end = min(end, len(hashes), len(gpu_block_ids))
-        suffix, picked, picks, cached, reserved = self._suffix, self._picked, self._picks, self._cached, self._reserved
+        suffix, picked, cached, reserved = self._suffix, self._picked, self._cached, self._reserved
+        pick_id, pick_key = self._picks.gpu_ids.append, self._picks.keys.append
         is_dead = view.is_dead if view.may_have_dead() else None
         for i in range(start, end):
             key = hashes[i] + suffix  # with_group_id, inlined (per block)
             gpu_id = gpu_block_ids[i]
-            if gpu_id == 0 or key in picked or key in cached or key in reserved or (is_dead and is_dead(key)):
+            if gpu_id == 0 or key in cached or key in picked or key in reserved or (is_dead and is_dead(key)):
                 continue  # the null block, or already picked, on the CPU or being stored, or refused
             picked.add(key)
-            picks.gpu_ids.append(gpu_id)
-            picks.keys.append(key)
+            pick_id(gpu_id)
+            pick_key(key)
         state.num_store_checked_blocks = max(start, end)
 
     def on_scheduled_groups(self, state: RequestState, num_computed_before: int, num_computed_tokens: int,

@@ -52,6 +52,7 @@ class BlockPool:
         self.eviction = eviction
         self.free_queue: EvictionPolicy = policy(self.blocks[1:], history)
         self.empty_first = policy.empty_first
+        self._tell_held = policy.hears_held_content  # False: held blocks' content changes go untold
         self.cached: dict[bytes, Block] = {}
         self.reserved: dict[bytes, Block] = {}  # content on its way into a held block (not hit-able yet)
         self.on_evict = on_evict  # (key, evicted) for every cached block dropped; evicted: by allocation (LRU)
@@ -92,17 +93,18 @@ class BlockPool:
             if block.block_hash is not None:
                 if on_evict_block is not None:
                     on_evict_block(block)
-                self._drop_hash(block, evicted=True)
+                self._drop_hash(block, evicted=True, held=True)  # (out of the free queue already)
             block.ref_cnt = 1
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take one more reference on each block, removing it from the free queue if it was free."""
+        null_block, remove = self.null_block, self.free_queue.remove
         for block in blocks:
-            if block is self.null_block:
+            if block is null_block:
                 raise PoolError("touch of the null block 0 (caller bug)")
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                remove(block)
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[Block], front: bool = False) -> None:
@@ -185,7 +187,7 @@ class BlockPool:
         """The reserved contents arrived: cache them. Returns the keys now hit-able (a key another block
         caches meanwhile stays with that block: its reservation is dropped and nothing is cached here)."""
         committed = []
-        cached, reserved, on_cached = self.cached, self.reserved, self.free_queue.on_cached
+        cached, reserved, on_cached, tell_held = self.cached, self.reserved, self.free_queue.on_cached, self._tell_held
         for block in blocks:
             key = block.block_hash  # _unreserve, inlined (per block)
             if key is None or reserved.get(key) is not block:
@@ -193,7 +195,8 @@ class BlockPool:
             del reserved[key]
             if key not in cached:
                 cached[key] = block
-                on_cached(block, key)
+                if tell_held or block.ref_cnt == 0:
+                    on_cached(block, key)
                 committed.append(key)
             else:
                 block.block_hash = None
@@ -216,13 +219,15 @@ class BlockPool:
         """Forget `block`'s content (it will not be hit again)."""
         self._drop_hash(block)
 
-    def _drop_hash(self, block: Block, evicted: bool = False) -> None:
-        """Forget the block's content; `on_evict` hears of every drop, `num_evictions` counts only LRU ones."""
+    def _drop_hash(self, block: Block, evicted: bool = False, held: bool = False) -> None:
+        """Forget the block's content; `on_evict` hears of every drop, `num_evictions` counts only LRU ones.
+        `held`: the block is out of the free queue (the policy hears only if it wants held blocks' news)."""
         h = block.block_hash
         if h is None:
             return
         block.block_hash = None
-        self.free_queue.on_uncached(block)
+        if self._tell_held or not (held or block.ref_cnt):
+            self.free_queue.on_uncached(block)
         if self.cached.get(h) is block:
             del self.cached[h]
             if evicted:

@@ -24,6 +24,7 @@ class FreeBlockQueue(EvictionPolicy):
     pool, `BlockPool` with no `eviction`); also the list each CPU-tier policy keeps its blocks in."""
 
     empty_first = False
+    hears_held_content = False  # its lists hold free blocks only
 
     def __init__(self, blocks: list[Block], history: int | None = None) -> None:
         self._head = Block(-1)
@@ -40,7 +41,12 @@ class FreeBlockQueue(EvictionPolicy):
         block = self._head.next
         if block is self._tail or block is None:
             raise RuntimeError("FreeBlockQueue.popleft on an empty queue (caller must check len first)")
-        self._unlink(block)
+        nxt = block.next  # (unlinked inline: per allocated block)
+        if nxt is None:
+            raise RuntimeError(f"FreeBlockQueue: {block} has broken links (our bug)")
+        self._head.next, nxt.prev = nxt, self._head
+        block.prev = block.next = None
+        self.num_free_blocks -= 1
         return block
 
     def popleft_n(self, n: int) -> list[Block]:
@@ -72,9 +78,12 @@ class FreeBlockQueue(EvictionPolicy):
             self._link_run(blocks, first)
 
     def remove(self, block: Block) -> None:
-        if block.prev is None or block.next is None:
+        prev, nxt = block.prev, block.next  # (unlinked inline: per touched block)
+        if prev is None or nxt is None:
             raise RuntimeError(f"FreeBlockQueue.remove: {block} is not in the free queue (our bug)")
-        self._unlink(block)
+        prev.next, nxt.prev = nxt, prev
+        block.prev = block.next = None
+        self.num_free_blocks -= 1
 
     def append(self, block: Block) -> None:
         self._link_before(block, self._tail)
@@ -123,11 +132,3 @@ class FreeBlockQueue(EvictionPolicy):
             prev = block
             self.num_free_blocks += 1
         prev.next, anchor.prev = anchor, prev
-
-    def _unlink(self, block: Block) -> None:
-        prev, nxt = block.prev, block.next
-        if prev is None or nxt is None:
-            raise RuntimeError(f"FreeBlockQueue: {block} has broken links (our bug)")
-        prev.next, nxt.prev = nxt, prev
-        block.prev = block.next = None
-        self.num_free_blocks -= 1

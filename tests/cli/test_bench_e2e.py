@@ -141,4 +141,33 @@ def test_the_report_compares_each_run_with_its_baseline(workload):
     print_table(out, text)
     lines = text.getvalue().splitlines()
     assert sum(" DIFFER " in line for line in lines) == 1 and sum(" equal " in line for line in lines) == 4
-    assert "estimate" in lines[-1] and "not a measurement" in lines[-1]
+    assert any("estimate" in line and "not a measurement" in line for line in lines)
+    sources = [row["configuration"] for row in out["returning_ttft_by_source"]]
+    assert sources == ["CPU tier", "restart: disk warm", "no connector", "restart: no tier"]  # (no GPU-cache run)
+    assert lines[-4].split()[:2] == ["CPU", "tier"] and "0.50 /  0.50 s" in lines[-3]
+
+
+def test_rounds_give_medians_and_decode_against_the_same_rounds_baseline(workload):
+    """Three alternated rounds: each connector run's decode is divided by its own round's "no connector"
+    run, the report gives each configuration's medians, and a later round's output mismatch is named."""
+    def run(name: str, round_no: int, ttft: float, decode: float, tokens: int = 1) -> dict:
+        requests = [{"key": t.key, "returning": t.returning, "ttft_s": ttft, "latency_s": ttft + 1.0,
+                     "prompt_tokens": len(t.prompt), "cached_tokens": 0, "tokens": [tokens] * t.max_tokens}
+                    for t in workload]
+        summary = summarize(requests, 10.0)
+        summary["decode_probe_s_per_token"] = decode
+        return {"name": name, "round": round_no, "requests": requests, "summary": summary, "connector": {}}
+
+    runs = []
+    for r, (base, ours) in enumerate([(0.10, 0.105), (0.20, 0.19), (0.10, 0.30)]):  # round 3 is noisy
+        runs += [run("no connector", r, 4.0 + r, base), run("GPU prefix cache", r, 0.2, base),
+                 run("CPU tier", r, 0.5 + r, ours, tokens=1 + (r == 2))]
+    out = assemble(runs, workload, {"gpu_blocks": 160, "cpu_bytes": 1 << 26},
+                   {"agents": 2, "conversations": 2, "turns": 3})
+    cpu = out["medians"]["CPU tier"]
+    assert cpu["rounds"] == 3 and cpu["ttft_returning_p50"] == 1.5 and cpu["decode_ratio"] == pytest.approx(1.05)
+    assert out["medians"]["no connector"]["decode_ratio"] is None
+    assert [row["source"] for row in out["returning_ttft_by_source"]][:2] == ["GPU prefix cache (the limit)",
+                                                                             "CPU tier"]
+    assert out["outputs_equal"]["GPU prefix cache"]["equal"] and out["outputs_equal"]["no connector"]["compared"] == 36
+    assert out["outputs_equal"]["CPU tier"]["mismatches"] == [f"r3:{t.key}" for t in workload]

@@ -24,3 +24,21 @@ def test_a_short_run_is_clean_and_names_the_simple_mode(simple_lazy: bool, capsy
         assert out["variants"][variant]["problems"] == []
     assert out["variants"]["simple"]["cpu_hit_tokens"] > 0 and out["variants"]["ours"]["cpu_hit_tokens"] > 0
 
+
+
+def test_like_with_like_runs_both_modes_of_both_connectors(capsys: pytest.CaptureFixture) -> None:
+    assert bench_scheduler.main(SHORT + ["--like-with-like"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["variants"]) == {"none", "simple", "ours", "simple_lazy", "ours_eager"}
+    assert all(r["problems"] == [] for r in out["variants"].values())
+    lazy, eager = out["like_with_like"]["lazy"], out["like_with_like"]["eager"]
+    assert (lazy["ours"], lazy["simple"], eager["ours"], eager["simple"]) == ("ours", "simple_lazy", "ours_eager", "simple")
+    none = out["variants"]["none"]["us_per_step"]
+    assert lazy["ours_overhead_us"] == round(out["variants"]["ours"]["us_per_step"] - none, 1)
+    assert eager["simple_hit_tokens"] == (out["variants"]["simple"]["gpu_hit_tokens"]
+                                          + out["variants"]["simple"]["cpu_hit_tokens"])
+
+
+def test_like_with_like_refuses_a_mode_flag() -> None:
+    with pytest.raises(SystemExit):
+        bench_scheduler.main(SHORT + ["--like-with-like", "--simple-lazy"])

@@ -58,21 +58,42 @@ def test_a_block_whose_request_is_gone_returns_to_the_gpu_queue_as_most_recently
     assert sched.is_idle()
 
 
-def test_kv_events_name_the_stored_and_the_evicted_keys():
-    """Found by mutation testing of scheduler_side/kv_events.py (docs/mutation.md)."""
-    sched, gpu = make_scheduler(num_cpu_blocks=3, block_size=BS)  # room for 2 blocks
+def store_two_requests(sched, gpu, before_b=lambda: None) -> list[list[bytes]]:  # noqa: ANN001
+    """A, then B, each stored and finished; with room for 2 blocks, B's store evicts A's. Returns each one's
+    keys; `before_b` runs between them."""
     keys = []
     for n, name in enumerate(("A", "B")):
+        if name == "B":
+            before_b()
         req = FakeRequest(name, [100 * n + t for t in range(9)], BS)
         _, _, ids = admit(sched, gpu, req)
         meta = sched.build_connector_meta([step_done(name, ids, 9)])
         sched.update_connector_output(report(completed_store_events=[meta.store_event]))
         finish(sched, gpu, req, ids)
         keys.append([with_group_id(h) for h in req.block_hashes])
+    return keys
+
+
+def test_kv_events_name_the_stored_and_the_evicted_keys():
+    """Found by mutation testing of scheduler_side/kv_events.py (docs/mutation.md)."""
+    sched, gpu = make_scheduler(num_cpu_blocks=3, block_size=BS)  # room for 2 blocks
+    keys = store_two_requests(sched, gpu)
     events = [(e.kind, e.block_hash) for e in sched.take_events()]
     assert events[:2] == [("stored", k) for k in keys[0]]
     assert sorted(events[2:4]) == sorted(("removed", k) for k in keys[0])  # B's store evicted A's blocks
     assert events[4:] == [("stored", k) for k in keys[1]]
+
+
+def test_kv_events_turned_on_later_name_the_evictions_from_then_on():
+    """The CPU pool tells the scheduler of its evictions only while someone listens (eager without KV events:
+    nobody); turning the events on must make the next eviction heard."""
+    sched, gpu = make_scheduler(num_cpu_blocks=3, block_size=BS)
+    sched.emit_kv_events = False
+    assert sched.cpu_pool.on_evict is None
+    keys = store_two_requests(sched, gpu, before_b=lambda: setattr(sched, "emit_kv_events", True))
+    events = [(e.kind, e.block_hash) for e in sched.take_events()]
+    assert sorted(events[:2]) == sorted(("removed", k) for k in keys[0])  # B's store evicted A's blocks
+    assert events[2:] == [("stored", k) for k in keys[1]]
 
 
 def test_a_store_event_is_outstanding_until_its_completion_is_reported():

@@ -275,6 +275,30 @@ def test_replicated_kv_and_one_host_read_what_vllm_resolves(vllm_module) -> None
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_reserved_cpu_cores_are_vllms_own_figure(vllm_module, monkeypatch, world_size: int) -> None:
+    """`cpu_cores_reserved` runs `OMPProcessManager.__init__` without its CPU-list parsing: the same
+    `reserve_cpu_num` as the whole class, and more of them for a config with a KV connector."""
+    from vllm.config import ParallelConfig
+    from vllm.platforms import current_platform
+    from vllm.utils.ompmultiprocessing import OMPProcessManager
+
+    monkeypatch.delenv(compat.RESERVED_CPU_ENV, raising=False)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the whole class, without reading the topology
+    parallel = ParallelConfig(tensor_parallel_size=world_size)
+    connector = SimpleNamespace(kv_connector="OffloadConnector")
+    reserved = {}
+    for name, ktc in (("without", None), ("with", connector)):
+        reserved[name] = compat.cpu_cores_reserved(SimpleNamespace(parallel_config=parallel, kv_transfer_config=None), ktc)
+        whole = OMPProcessManager(SimpleNamespace(parallel_config=parallel, kv_transfer_config=ktc))
+        assert reserved[name] == getattr(whole, "reserve_cpu_num", None)
+    if current_platform.is_cpu():
+        assert reserved["with"] > reserved["without"] >= 1
+    else:
+        assert reserved == {"without": None, "with": None}
+
+
+@pytest.mark.vllm
 def test_a_mamba_hybrid_is_told_by_vllms_model_config(vllm_module) -> None:
     from vllm.config import ModelConfig
 

@@ -37,6 +37,9 @@ class EvictionPolicy(ABC):
     block_type: ClassVar[type[Block]] = Block  # what the pool creates its blocks as (per-block policy state)
     empty_first: ClassVar[bool] = True  # free empty blocks are taken before any cached one
     wants_hints: ClassVar[bool] = False  # `note_reuse` / `note_miss` change something
+    # `on_cached` / `on_uncached` change something for a block outside the policy (held); False: the pool
+    # tells it only of its free blocks' content (per block on the store and eviction paths)
+    hears_held_content: ClassVar[bool] = True
 
     @abstractmethod
     def __init__(self, blocks: list[Block], history: int | None = None) -> None:

@@ -34,6 +34,7 @@ class LruBlock(Block):
 
 class LruEviction(EvictionPolicy):
     block_type = LruBlock
+    hears_held_content = False  # its lists hold free blocks only
 
     def __init__(self, blocks: list[LruBlock], history: int | None = None) -> None:
         self._lists = (None, FreeBlockQueue([]), FreeBlockQueue([]))
@@ -97,14 +98,19 @@ class LruEviction(EvictionPolicy):
 
     def prepend_n(self, blocks: list[LruBlock]) -> None:
         """Each at the eviction end of its list, the first listed nearest it."""
-        for block in reversed(blocks):
-            self.appendleft(block)
+        empty = [block for block in blocks if block.block_hash is None]
+        cached = [block for block in blocks if block.block_hash is not None] if len(empty) < len(blocks) else []
+        for seg, run in ((EMPTY, empty), (CACHED, cached)):
+            if run:
+                self._lists[seg].prepend_n(run)
+                for block in run:
+                    block.seg = seg
 
     def remove(self, block: LruBlock) -> None:
-        lst = self._lists[block.seg] if block.seg != HELD else None
-        if lst is None:
+        seg = block.seg
+        if seg == HELD:
             raise RuntimeError(f"LruEviction.remove: {block} is not in the free queue (our bug)")
-        lst.remove(block)
+        self._lists[seg].remove(block)
         block.seg = HELD
 
     def __iter__(self) -> Iterator[LruBlock]:
