@@ -22,24 +22,35 @@
 //   followed by `num_blocks` destination block ids. For every plane p and block pair i it copies
 //   chunk_bytes from src_base + src_ids[i] * src_stride to dst_base + dst_ids[i] * dst_stride.
 
+#define OC_UNROLL 8
+
+// Words k = first, first + step, ... below n: each thread keeps OC_UNROLL loads in flight before it stores.
+template <typename T>
+__device__ __forceinline__ void oc_copy_words(T* __restrict__ d, const T* __restrict__ s, long long n,
+                                              long long first, long long step) {
+    long long k = first;
+    for (; k + (OC_UNROLL - 1) * step < n; k += OC_UNROLL * step) {
+        T r[OC_UNROLL];
+#pragma unroll
+        for (int u = 0; u < OC_UNROLL; ++u) r[u] = s[k + u * step];
+#pragma unroll
+        for (int u = 0; u < OC_UNROLL; ++u) d[k + u * step] = r[u];
+    }
+    for (; k < n; k += step) d[k] = s[k];
+}
+
+// nbytes from src to dst by the threads first, first + step, ...: 16 bytes at a time when dst, src and
+// nbytes are all 16-byte aligned, else 4 bytes when all are 4-byte aligned, else single bytes.
 __device__ __forceinline__ void oc_copy_range(char* __restrict__ dst, const char* __restrict__ src,
-                                              long long nbytes) {
+                                              long long nbytes, long long first, long long step) {
     const unsigned long long bits =
         (unsigned long long)dst | (unsigned long long)src | (unsigned long long)nbytes;
     if ((bits & 15ULL) == 0) {
-        uint4* __restrict__ d = (uint4*)dst;
-        const uint4* __restrict__ s = (const uint4*)src;
-        const long long n = nbytes >> 4;
-#pragma unroll 4
-        for (long long k = threadIdx.x; k < n; k += blockDim.x) d[k] = s[k];
+        oc_copy_words((uint4*)dst, (const uint4*)src, nbytes >> 4, first, step);
     } else if ((bits & 3ULL) == 0) {
-        unsigned int* __restrict__ d = (unsigned int*)dst;
-        const unsigned int* __restrict__ s = (const unsigned int*)src;
-        const long long n = nbytes >> 2;
-#pragma unroll 4
-        for (long long k = threadIdx.x; k < n; k += blockDim.x) d[k] = s[k];
+        oc_copy_words((unsigned int*)dst, (const unsigned int*)src, nbytes >> 2, first, step);
     } else {
-        for (long long k = threadIdx.x; k < nbytes; k += blockDim.x) dst[k] = src[k];
+        for (long long k = first; k < nbytes; k += step) dst[k] = src[k];
     }
 }
 
@@ -51,44 +62,7 @@ extern "C" __global__ void oc_block_copy(const long long* planes, long long num_
         const long long i = work % num_blocks;
         const long long src = plane[0] + ids[i] * plane[2];
         const long long dst = plane[1] + ids[num_blocks + i] * plane[3];
-        oc_copy_range((char*)dst, (const char*)src, plane[4]);
-    }
-}
-
-#define OC_UNROLL 8
-
-__device__ __forceinline__ void oc_warp_copy(char* __restrict__ dst, const char* __restrict__ src,
-                                             long long nbytes, int lane) {
-    const unsigned long long bits =
-        (unsigned long long)dst | (unsigned long long)src | (unsigned long long)nbytes;
-    if ((bits & 15ULL) == 0) {
-        uint4* __restrict__ d = (uint4*)dst;
-        const uint4* __restrict__ s = (const uint4*)src;
-        const long long n = nbytes >> 4;
-        long long k = lane;
-        for (; k + (OC_UNROLL - 1) * 32 < n; k += OC_UNROLL * 32) {
-            uint4 r[OC_UNROLL];
-#pragma unroll
-            for (int u = 0; u < OC_UNROLL; ++u) r[u] = s[k + u * 32];
-#pragma unroll
-            for (int u = 0; u < OC_UNROLL; ++u) d[k + u * 32] = r[u];
-        }
-        for (; k < n; k += 32) d[k] = s[k];
-    } else if ((bits & 3ULL) == 0) {
-        unsigned int* __restrict__ d = (unsigned int*)dst;
-        const unsigned int* __restrict__ s = (const unsigned int*)src;
-        const long long n = nbytes >> 2;
-        long long k = lane;
-        for (; k + (OC_UNROLL - 1) * 32 < n; k += OC_UNROLL * 32) {
-            unsigned int r[OC_UNROLL];
-#pragma unroll
-            for (int u = 0; u < OC_UNROLL; ++u) r[u] = s[k + u * 32];
-#pragma unroll
-            for (int u = 0; u < OC_UNROLL; ++u) d[k + u * 32] = r[u];
-        }
-        for (; k < n; k += 32) d[k] = s[k];
-    } else {
-        for (long long k = lane; k < nbytes; k += 32) dst[k] = src[k];
+        oc_copy_range((char*)dst, (const char*)src, plane[4], threadIdx.x, blockDim.x);
     }
 }
 
@@ -116,6 +90,6 @@ extern "C" __global__ void oc_staged_copy(const long long* __restrict__ planes, 
         const long long* plane = planes + 5 * (work - i * num_planes);
         const long long src = plane[0] + oc_ids[i] * plane[2];
         const long long dst = plane[1] + oc_ids[num_blocks + i] * plane[3];
-        oc_warp_copy((char*)dst, (const char*)src, plane[4], lane);
+        oc_copy_range((char*)dst, (const char*)src, plane[4], lane, 32);
     }
 }
