@@ -71,20 +71,17 @@ from offload_connector.config import ConfigError
 from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.metadata import TransferMetadata
 from offload_connector.sizing import (
-    Capacity,
     check_host_memory,
     check_shared_memory,
     mem_available_bytes,
     shm_free_bytes,
 )
-from offload_connector.vllm import cpu_cores
 from offload_connector.vllm.compat import check_vllm_version
 from offload_connector.vllm.early_check import ranks_on_host
 from offload_connector.vllm.engine_setup import (
     KVCacheShape,
     adopt_vllm_logging,
     check_groups_config,
-    describe_config_source,
     describe_kv_cache,
     located_in_extra_config,
     resolve_config,
@@ -93,8 +90,8 @@ from offload_connector.vllm.engine_setup import (
 )
 from offload_connector.vllm.kv_layout import describe_layout, required_layout
 from offload_connector.vllm.messages import OffloadConnectorMetadata, OffloadWorkerMetadata
+from offload_connector.vllm.startup_line import backend_in_this_process, startup_line
 from offload_connector.vllm.stats import OffloadConnectorStats, OffloadPromMetrics
-from scheduler_side.tiers.registry import TIERS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -114,30 +111,6 @@ if TYPE_CHECKING:
 __all__ = ["OffloadConnector", "OffloadConnectorMetadata", "OffloadWorkerMetadata"]
 
 logger = logging.getLogger(__name__)
-
-
-def startup_line(role: str, extra: Any, config: Any, backend: str, capacity: Capacity, layout: str = "") -> str:
-    """The one INFO line each role logs at start-up: where the config came from, what `transfer.backend`
-    resolved to, the store and eviction policies, one rank's CPU tier in bytes, blocks and tokens, and the
-    KV-cache layout (kv_layout.describe_layout), and the cores the plugin left to the model on vLLM's CPU
-    build (cpu_cores.py), if it did."""
-    requested = config.transfer.backend
-    resolved = f"{requested} -> {backend}" if requested != backend else backend
-    tiers = "".join(f"; {TIERS[name].describe(section)}" for name, section in lower_tier_sections(config))
-    return (f"OffloadConnector {role}: config from {describe_config_source(extra)}; transfer.backend={resolved}, "
-            f"store_policy={config.store_policy}, eviction={config.eviction}; CPU tier {capacity.describe()} "
-            f"(block_size={capacity.block_size}){tiers}" + (f"; {layout}" if layout else "")
-            + cpu_cores.startup_note())
-
-
-def _backend_in_this_process(requested: str) -> str:
-    """What `transfer.backend` resolves to in this process (the workers resolve it the same way)."""
-    from worker_side import BackendError, resolve_backend_name
-
-    try:
-        return resolve_backend_name(requested)
-    except BackendError:
-        return f"{requested} (no CUDA device in this process)"
 
 
 class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
@@ -182,7 +155,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
             self.connector_scheduler = SchedulerRole(vllm_config, self.config, self.shape,
                                                      self.num_cpu_blocks, identity)
-            backend = _backend_in_this_process(self.config.transfer.backend)
+            backend = backend_in_this_process(self.config.transfer.backend)
         else:
             from offload_connector.vllm.worker_role import WorkerRole
 

@@ -1,7 +1,7 @@
 """The cores vLLM's CPU executor keeps from the model because a KV connector is configured.
 
 vLLM's CPU build binds each worker's OpenMP threads to cores and keeps some cores back for the engine
-core (`compat.cpu_cores_reserved`). Whenever any `kv_transfer_config` is set it keeps one more per rank,
+core (`compat_platform.cpu_cores_reserved`). Whenever any `kv_transfer_config` is set it keeps one more per rank,
 for NIXL's transfer threads. This connector needs no core of its own: its copies run on threads that
 sleep between jobs. On a small host that extra reservation costs the model a core. On 2 cores, vLLM
 reserves both, falls back to reserving none, and the worker's second OpenMP thread shares a core with the
@@ -29,7 +29,7 @@ import logging
 import os
 from typing import Any
 
-from offload_connector.vllm.compat import RESERVED_CPU_ENV, cpu_cores_reserved, on_cpu
+from offload_connector.vllm.compat_platform import RESERVED_CPU_ENV, cpu_cores_reserved, on_cpu
 from offload_connector.vllm.engine_setup import adopt_vllm_logging
 
 logger = logging.getLogger(__name__)

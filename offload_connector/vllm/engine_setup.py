@@ -43,14 +43,8 @@ from offload_connector.config import (
 )
 from offload_connector.lower_tiers import lower_tier_sections
 from offload_connector.sizing import SHM_DIR, Capacity, capacity, num_cpu_blocks
-from offload_connector.vllm.compat import (
-    hash_block_size,
-    kv_cache_layout,
-    kv_tp_replicas,
-    on_cpu,
-    uses_mla,
-    workers_on_one_host,
-)
+from offload_connector.vllm.compat import hash_block_size, kv_cache_layout, kv_tp_replicas, uses_mla
+from offload_connector.vllm.compat_platform import on_cpu, workers_on_one_host
 from offload_connector.vllm.errors import UnsupportedSetupError
 
 OUR_PACKAGES = ("offload_connector", "scheduler_side", "worker_side")

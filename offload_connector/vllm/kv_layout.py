@@ -28,12 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from offload_connector.config import OffloadConfig
-from offload_connector.vllm.compat import (
-    declared_kv_cache_layouts,
-    is_mamba_hybrid,
-    on_cpu,
-    sliding_window_hybrid,
-)
+from offload_connector.vllm.compat import is_mamba_hybrid
+from offload_connector.vllm.compat_platform import declared_kv_cache_layouts, on_cpu, sliding_window_hybrid
 
 BLOCK_OUTERMOST = ("BLHNC", "BLNHC")
 DEFAULT_REQUEST = "BLHNC"

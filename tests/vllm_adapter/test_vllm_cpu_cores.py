@@ -30,8 +30,8 @@ from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm_sim_helpers import MODEL_DIR  # noqa: E402
 
 import offload_connector.vllm.plugin as plugin  # noqa: E402
-from offload_connector.vllm import compat, cpu_cores  # noqa: E402
-from offload_connector.vllm.compat import RESERVED_CPU_ENV  # noqa: E402
+from offload_connector.vllm import compat_platform, cpu_cores  # noqa: E402
+from offload_connector.vllm.compat_platform import RESERVED_CPU_ENV  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OURS = {"kv_connector": "OffloadConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes": "8MiB"}}
@@ -108,7 +108,8 @@ def test_ours_alone_gets_the_reservation_of_no_connector_and_the_next_engine_get
     config = create(KVTransferConfig(**OURS))
     ours = os.environ.pop(RESERVED_CPU_ENV)  # (vLLM's figures below are read with it unset)
     assert ours == os.environ[cpu_cores.OURS_MARK_ENV]
-    assert compat.cpu_cores_reserved(config, config.kv_transfer_config) > compat.cpu_cores_reserved(config, None) \
+    assert compat_platform.cpu_cores_reserved(config, config.kv_transfer_config) > \
+        compat_platform.cpu_cores_reserved(config, None) \
         == int(ours)
     os.environ[RESERVED_CPU_ENV] = ours
     create(None)  # a later engine of this process without the connector: vLLM's own reservation again

@@ -43,14 +43,14 @@ from collections.abc import Collection
 
 from worker_side.backends.base import CopyJob, JobKind, JobResult, TransferBackend
 from worker_side.backends.cuda.api import CudaError, CudaRuntime, Stream
-from worker_side.backends.cuda.calibration import JobTimer, calibrate, num_calibration_blocks
-from worker_side.backends.cuda.copy_paths import CopyPaths, Helper, PartialSubmission
+from worker_side.backends.cuda.calibration import calibrate_on_device
+from worker_side.backends.cuda.copy_paths import CopyPaths, Helper, PartialSubmission, kernels_unusable
 from worker_side.backends.cuda.fences import StepFences
+from worker_side.backends.cuda.host_pins import HostPins
 from worker_side.backends.cuda.inflight import InFlight, InFlightJobs
-from worker_side.backends.cuda.kernel_args import KernelArgs
 from worker_side.backends.cuda.kernel_policy import KERNEL_MAX_SEGMENT_BYTES, KERNEL_MAX_SMS, KernelPolicy
 from worker_side.backends.cuda.pageable_copier import PageableCopier, Ticket
-from worker_side.backends.cuda.staging import STAGED_MAX_CTAS, StagedPath, StagingPlan
+from worker_side.backends.cuda.staging import STAGED_MAX_CTAS
 from worker_side.block_layout import TensorBlockView
 from worker_side.copy_plan import CopyGeometry
 from worker_side.errors import BackendError, WorkerClosedError, WorkerInvariantError
@@ -93,7 +93,7 @@ class CudaBackend(TransferBackend):
         self._ring_entries = ring_entries
         self._device: int | None = None
         self._streams: dict[JobKind, Stream] = {}
-        self._registered: list[int] = []  # host pointers we pinned, unpinned at shutdown
+        self._pins = HostPins(runtime)  # the pool's ranges and the kernels' arguments, unpinned at shutdown
         self._copier: PageableCopier | None = None  # the pool is pageable: copies go through its thread
         self.pinned = False
         self.num_pin_failures = 0
@@ -155,10 +155,8 @@ class CudaBackend(TransferBackend):
         layouts); else `planes`, where DMA moves a run of blocks as one segment per chunk."""
         if merges_across_tensors(device_views):
             return BLOCKS
-        if self.staging_bytes > 0:
-            device = self._resolve_device(device_views)
-            if self.rt.can_use_host_pointer(device) and self.rt.supports_kernel:
-                return BLOCKS
+        if self.staging_bytes > 0 and kernels_unusable(self.rt, self._resolve_device(device_views)) is None:
+            return BLOCKS
         return PLANES
 
     def bind(self, device_views: list[TensorBlockView], pool: HostPool) -> None:
@@ -177,13 +175,17 @@ class CudaBackend(TransferBackend):
             self.paths.helpers = {kind: Helper(self.rt.create_stream(low_priority=kind == "store"),
                                                self.rt.create_event(), self.rt.create_event())
                                   for kind in ("load", "store")}
-        unusable = self._kernel_unusable(device)
+        unusable = "the host pool is not pinned" if not self.pinned else kernels_unusable(self.rt, device)
         wanted = bool(self.policy.rules) or self.staging_bytes > 0
         if unusable is None and wanted:
-            unusable = self._make_kernel_args()
+            unusable = self.paths.add_kernel_args(self._pins, self._streams["store"] is self._streams["load"],
+                                                  self._ring_entries)
         self.kernel_off_reason = ("transfer.kernel_directions is empty or transfer.kernel_max_segment_bytes is 0"
                                   if not self.policy.rules else unusable)
-        self.staged_off_reason = self._make_staged(device_views, pool, unusable)
+        self.staged_off_reason = ("transfer.staging_bytes is 0" if self.staging_bytes <= 0 else
+                                  f"its kernel cannot run here: {unusable}" if unusable is not None else
+                                  self.paths.add_staging(device_views, pool, self.staging_bytes, self.fences,
+                                                         self.staged_max_ctas))
         if self.kernel_off_reason is not None:
             log = logger.info if not self.policy.rules else logger.warning
             log("offload: direct block-copy kernel off on device %d: %s", device, self.kernel_off_reason)
@@ -194,92 +196,32 @@ class CudaBackend(TransferBackend):
             self.policy = self.policy.without_staged()
         if self.calibrate and (self.policy.rules or self.policy.staged):
             self._calibrate(device, min(v.num_blocks for v in device_views), pool.num_blocks)
-        logger.info("offload: copy paths on device %d: %s%s", device, self.policy.describe(), self.staging_line())
-
-    def staging_line(self) -> str:
-        """What the start-up line says of the staging ring (empty without one)."""
-        staged = self.paths.staged
-        return "" if staged is None else f"; staging ring {staged.plan.describe()}"
-
-    def _kernel_unusable(self, device: int) -> str | None:
-        """Why this device and pool cannot run our kernels, or None. The device attribute is checked before
-        the runtime compiles anything."""
-        if not self.pinned:
-            return "the host pool is not pinned"
-        if not self.rt.can_use_host_pointer(device):
-            return ("CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM is 0: its kernels cannot read "
-                    "registered host memory at its host address")
-        if not self.rt.supports_kernel:
-            return self.rt.kernel_error or "the runtime has no block-copy kernel"
-        return None
-
-    def _make_staged(self, device_views: list[TensorBlockView], pool: HostPool, unusable: str | None) -> str | None:
-        """Set up the staged path; why it is off, or None."""
-        if self.staging_bytes <= 0:
-            return "transfer.staging_bytes is 0"
-        if unusable is not None:
-            return f"its kernel cannot run here: {unusable}"
-        if pool.layout != BLOCKS:
-            return f"the host pool's layout is {pool.layout!r} (our bug: staging needs {BLOCKS!r})"
-        plan = StagingPlan.fit(self.staging_bytes, pool.bytes_per_block)
-        if isinstance(plan, str):
-            return plan
-        try:
-            helpers = {kind: h.stream for kind, h in self.paths.helpers.items()}
-            self.paths.staged = StagedPath(self.rt, device_views, pool, plan, self.fences, self.staged_max_ctas,
-                                           helpers)
-        except CudaError as exc:
-            return f"its {plan.describe()} could not be had ({exc}); copies go by DMA"
-        return None
+        logger.info("offload: copy paths on device %d: %s%s", device, self.policy.describe(), self.paths.staging_line())
 
     def _pin(self, ranges: list[tuple[int, int]]) -> bool:
         try:
-            for ptr, nbytes in ranges:
-                self.rt.host_register(ptr, nbytes)
-                self._registered.append(ptr)
+            self._pins.pin(ranges)
         except CudaError as exc:
-            self._unpin()
             self.num_pin_failures += 1
             logger.warning("offload host pool: pinning failed (%s); continuing with pageable memory: "
                            "copies are staged and slower. Check the memlock limit and free RAM.", exc)
             return False
         return True
 
-    def _make_kernel_args(self) -> str | None:
-        """Pin the kernels' arguments; why that failed, or None."""
-        try:
-            kernel_args = KernelArgs(self.rt, self.paths.geometry, self._streams["store"] is self._streams["load"],
-                                     self._ring_entries)
-        except CudaError as exc:
-            return f"its arguments could not be pinned ({exc})"
-        self.paths.kernel_args = kernel_args
-        self._registered.append(kernel_args.ptr)
-        return None
-
     def _calibrate(self, device: int, num_device_blocks: int, num_host_blocks: int) -> None:
-        """Time the available paths on this device and adopt the policy that measures faster (calibration.py);
-        on any failure keep the configured policy. Runs before any request; waits for every copy it made."""
-        geometry = self.paths.geometry
-        staged = self.paths.staged
-        num_blocks = num_calibration_blocks(num_device_blocks, num_host_blocks, geometry["load"].bytes_per_block,
-                                            staged.plan.slot_blocks if staged is not None and self.policy.staged else 0)
-        stream = self._streams["load"]
-        timer = JobTimer(self.rt, stream, self.paths.issue, self.paths.release,
-                         self.paths.staged.streams if self.paths.staged is not None else ())
+        """Adopt the policy this device measures faster (calibration.py); on any failure keep the configured
+        one. Runs before any request; waits for every copy it made."""
         t0 = time.perf_counter()
         try:
-            self.fences.order("store", stream)  # after whatever the engine launched so far
-            policy, self.calibration = calibrate(self.policy, geometry, num_blocks, timer.time_job)
+            self.policy, self.calibration = calibrate_on_device(self.rt, self.paths, self.fences, self.policy,
+                                                                self._streams["load"], num_device_blocks,
+                                                                num_host_blocks)
         except Exception as exc:  # a device we cannot time: the configured policy stays
             logger.warning("offload: calibration on device %d failed (%s: %s); keeping %s", device,
                            type(exc).__name__, exc, self.policy.describe())
-            for s in [stream, *timer.other_streams]:
-                self.rt.synchronize_stream(s)
-            timer.release_held()
             return
         logger.info("offload: calibrated on device %d in %.0f ms over %d shapes", device,
                     (time.perf_counter() - t0) * 1e3, len(self.calibration))
-        self.policy = policy
 
     # ---- steps and jobs -----------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -394,11 +336,6 @@ class CudaBackend(TransferBackend):
                    *(self.paths.staged.streams if self.paths.staged else ())]
         for stream in {id(s): s for s in streams}.values():
             self.rt.synchronize_stream(stream)
-        self._unpin()
+        self._pins.release()
         if self._owns_runtime:
             self.rt.close()
-
-    def _unpin(self) -> None:
-        for ptr in self._registered:
-            self.rt.host_unregister(ptr)
-        self._registered = []

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,6 +37,10 @@ from worker_side.backends.base import JobKind
 from worker_side.backends.cuda.api import CudaRuntime, Stream
 from worker_side.backends.cuda.kernel_policy import KernelPolicy, KernelRule
 from worker_side.copy_plan import CopyGeometry
+
+if TYPE_CHECKING:
+    from worker_side.backends.cuda.copy_paths import CopyPaths
+    from worker_side.backends.cuda.fences import StepFences
 
 RUN_LENGTHS = (1, 2, 4, 8, 16, 32)
 BLOCK_COUNTS = (1, 2, 4, 8, 16, 32)
@@ -222,3 +227,24 @@ class JobTimer:
         for kind, entries in self._held:
             self._release(kind, entries)
         self._held = []
+
+
+
+def calibrate_on_device(rt: CudaRuntime, paths: CopyPaths, fences: StepFences, policy: KernelPolicy, stream: Stream,
+                        num_device_blocks: int,
+                        num_host_blocks: int) -> tuple[KernelPolicy, list[Measurement | StagedMeasurement]]:
+    """Time the backend's available paths (`calibrate`), its jobs issued by `paths` on `stream` after whatever
+    the engine launched so far; the policy and the measurements. Where the device cannot be timed, the error
+    propagates once every copy made has finished and every argument entry is given back."""
+    geometry, staged = paths.geometry, paths.staged
+    num_blocks = num_calibration_blocks(num_device_blocks, num_host_blocks, geometry["load"].bytes_per_block,
+                                        staged.plan.slot_blocks if staged is not None and policy.staged else 0)
+    timer = JobTimer(rt, stream, paths.issue, paths.release, staged.streams if staged is not None else ())
+    try:
+        fences.order("store", stream)  # after whatever the engine launched so far
+        return calibrate(policy, geometry, num_blocks, timer.time_job)
+    except BaseException:
+        for s in [stream, *timer.other_streams]:
+            rt.synchronize_stream(s)
+        timer.release_held()
+        raise

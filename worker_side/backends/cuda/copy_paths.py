@@ -26,13 +26,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker_side.backends.base import CopyJob, JobKind
-from worker_side.backends.cuda.api import CudaRuntime, Event, Stream
+from worker_side.backends.cuda.api import CudaError, CudaRuntime, Event, Stream
 from worker_side.backends.cuda.arg_ring import ArgRing
+from worker_side.backends.cuda.fences import StepFences
+from worker_side.backends.cuda.host_pins import HostPins
 from worker_side.backends.cuda.kernel_args import KernelArgs
 from worker_side.backends.cuda.kernel_policy import KernelPolicy
-from worker_side.backends.cuda.staging import StagedPath
+from worker_side.backends.cuda.staging import StagedPath, StagingPlan
+from worker_side.block_layout import TensorBlockView
 from worker_side.copy_plan import CopyGeometry, Segments
 from worker_side.errors import WorkerInvariantError
+from worker_side.host_pool import BLOCKS, HostPool
 
 FIRST_BATCH = 8  # segments in a job's first batched DMA call: the copy engines start after it returned
 BATCH_SEGMENTS = 64  # segments in each further call
@@ -55,6 +59,17 @@ class PartialSubmission(Exception):
         self.entries, self.cause = entries, cause
 
 
+def kernels_unusable(rt: CudaRuntime, device: int) -> str | None:
+    """Why `device` cannot run our kernels over a pinned pool, or None. The device attribute is checked before
+    the runtime compiles anything."""
+    if not rt.can_use_host_pointer(device):
+        return ("CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM is 0: its kernels cannot read "
+                "registered host memory at its host address")
+    if not rt.supports_kernel:
+        return rt.kernel_error or "the runtime has no block-copy kernel"
+    return None
+
+
 PATHS = ("staged", "kernel", "batch", "per_segment", "pageable")
 
 
@@ -67,6 +82,34 @@ class CopyPaths:
         self.helpers: dict[JobKind, Helper] = {}  # set at bind, where copies have streams of their own
         self.num_copy_calls = 0  # memcpy / memcpy_batch / kernel-launch calls made (engine thread)
         self.num_jobs_by_path = dict.fromkeys(PATHS, 0)  # the path each submitted job took
+
+    def add_kernel_args(self, pins: HostPins, shared_stream: bool, ring_entries: int) -> str | None:
+        """Pin the kernels' arguments (kernel_args.py, `pins` keeps the registration); why that failed, or None."""
+        try:
+            self.kernel_args = KernelArgs(self.rt, self.geometry, shared_stream, ring_entries)
+        except CudaError as exc:
+            return f"its arguments could not be pinned ({exc})"
+        pins.keep(self.kernel_args.ptr)
+        return None
+
+    def add_staging(self, device_views: list[TensorBlockView], pool: HostPool, staging_bytes: int,
+                    fences: StepFences, max_ctas: int) -> str | None:
+        """Set up the staged path over a `blocks` pool (its ring allocated now); why it is off, or None."""
+        if pool.layout != BLOCKS:
+            return f"the host pool's layout is {pool.layout!r} (our bug: staging needs {BLOCKS!r})"
+        plan = StagingPlan.fit(staging_bytes, pool.bytes_per_block)
+        if isinstance(plan, str):
+            return plan
+        try:
+            self.staged = StagedPath(self.rt, device_views, pool, plan, fences, max_ctas,
+                                     {kind: h.stream for kind, h in self.helpers.items()})
+        except CudaError as exc:
+            return f"its {plan.describe()} could not be had ({exc}); copies go by DMA"
+        return None
+
+    def staging_line(self) -> str:
+        """What the start-up line says of the staging ring (empty without one)."""
+        return "" if self.staged is None else f"; staging ring {self.staged.plan.describe()}"
 
     @property
     def rings(self) -> dict[JobKind, ArgRing]:
