@@ -169,16 +169,16 @@ def test_without_its_fence_the_gather_reads_blocks_before_the_forward_wrote_them
 
 
 def _drop_waits_on(monkeypatch: pytest.MonkeyPatch, which: str) -> None:
-    """Make `rt.wait_event` a no-op for the staging ring's `slot_ready` or `slot_free` events."""
+    """Make `rt.wait_event` a no-op for the staging ring's `slot_ready` or `slot_free` events, or the helper
+    stream's `go` or `joined` (helper_stream.py)."""
     original = StagedPath.__init__
 
     def init(self: StagedPath, *args, **kwargs) -> None:
         original(self, *args, **kwargs)
         events = set()
         for ring in self.rings.values():
-            found = getattr(ring, which)
+            found = getattr(ring.helper, which) if which in ("go", "joined") else getattr(ring, which)
             events |= {id(e) for e in (found if isinstance(found, list) else [found])}
-        self._kept_for_the_test = [ring for ring in self.rings.values()]  # ids stay unique while it lives
         rt_wait = self.rt.wait_event
 
         def wait_event(stream: object, event: object) -> None:
@@ -272,8 +272,8 @@ def test_a_staged_store_is_reported_once_every_dma_stream_wrote() -> None:
 @pytest.mark.parametrize(("which", "check"), [("go", _store_after_load_wrong), ("joined", _reported_store_wrong)])
 def test_the_helper_dma_stream_is_joined_both_ways(monkeypatch: pytest.MonkeyPatch, which: str, check) -> None:
     """Chunks take turns on the copy stream and a helper: the helper starts after what the copy stream waited
-    for (`go`: the loads in `job.after`), and a store's completion follows the helper (`joined`). Without
-    either, bytes go wrong."""
+    for (`go`, recorded by `Helper.follow`: the loads in `job.after`), and a store's completion follows the
+    helper (`joined`, by `Helper.rejoin`). Without either, bytes go wrong."""
     _drop_waits_on(monkeypatch, which)
     assert check(range(30)) > 0, f"no run noticed the missing {which} wait"
 

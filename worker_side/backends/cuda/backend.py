@@ -44,8 +44,9 @@ from collections.abc import Collection
 from worker_side.backends.base import CopyJob, JobKind, JobResult, TransferBackend
 from worker_side.backends.cuda.api import CudaError, CudaRuntime, Stream
 from worker_side.backends.cuda.calibration import calibrate_on_device
-from worker_side.backends.cuda.copy_paths import CopyPaths, Helper, PartialSubmission, kernels_unusable
+from worker_side.backends.cuda.copy_paths import CopyPaths, PartialSubmission, kernels_unusable
 from worker_side.backends.cuda.fences import StepFences
+from worker_side.backends.cuda.helper_stream import Helper
 from worker_side.backends.cuda.host_pins import HostPins
 from worker_side.backends.cuda.inflight import InFlight, InFlightJobs
 from worker_side.backends.cuda.kernel_policy import KERNEL_MAX_SEGMENT_BYTES, KERNEL_MAX_SMS, KernelPolicy
@@ -172,9 +173,7 @@ class CudaBackend(TransferBackend):
         if not self.pinned:
             self._copier = PageableCopier(self.rt, device)
         elif separate:  # a second DMA stream per direction (copy_paths.dma, staging.py)
-            self.paths.helpers = {kind: Helper(self.rt.create_stream(low_priority=kind == "store"),
-                                               self.rt.create_event(), self.rt.create_event())
-                                  for kind in ("load", "store")}
+            self.paths.helpers = {kind: Helper.make(self.rt, low_priority=kind == "store") for kind in ("load", "store")}
         unusable = "the host pool is not pinned" if not self.pinned else kernels_unusable(self.rt, device)
         wanted = bool(self.policy.rules) or self.staging_bytes > 0
         if unusable is None and wanted:

@@ -21,14 +21,13 @@ which fails the job; a launch that raises keeps no ring entries (kernel_args.py)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from worker_side.backends.base import CopyJob, JobKind
-from worker_side.backends.cuda.api import CudaError, CudaRuntime, Event, Stream
+from worker_side.backends.cuda.api import CudaError, CudaRuntime, Stream
 from worker_side.backends.cuda.arg_ring import ArgRing
 from worker_side.backends.cuda.fences import StepFences
+from worker_side.backends.cuda.helper_stream import Helper
 from worker_side.backends.cuda.host_pins import HostPins
 from worker_side.backends.cuda.kernel_args import KernelArgs
 from worker_side.backends.cuda.kernel_policy import KernelPolicy
@@ -40,14 +39,6 @@ from worker_side.host_pool import BLOCKS, HostPool
 
 FIRST_BATCH = 8  # segments in a job's first batched DMA call: the copy engines start after it returned
 BATCH_SEGMENTS = 64  # segments in each further call
-
-
-@dataclass(frozen=True, slots=True)
-class Helper:
-    """A direction's second DMA stream and the two events that join it to the first (see `CopyPaths.dma`)."""
-    stream: Stream
-    go: Event
-    joined: Event
 
 
 class PartialSubmission(Exception):
@@ -101,8 +92,7 @@ class CopyPaths:
         if isinstance(plan, str):
             return plan
         try:
-            self.staged = StagedPath(self.rt, device_views, pool, plan, fences, max_ctas,
-                                     {kind: h.stream for kind, h in self.helpers.items()})
+            self.staged = StagedPath(self.rt, device_views, pool, plan, fences, max_ctas, self.helpers)
         except CudaError as exc:
             return f"its {plan.describe()} could not be had ({exc}); copies go by DMA"
         return None
@@ -204,8 +194,8 @@ class CopyPaths:
         The driver starts a batched call's copies only once the call returned, and a call costs about 1 us
         per segment (measured on an H200 host): so the first call takes `FIRST_BATCH` segments and the others
         `BATCH_SEGMENTS` each, and where this direction has a helper stream the calls take turns on the two
-        (two copy engines overlap their per-segment costs). The helper starts after what `stream` waited for
-        (`go`) and `stream` continues after it (`joined`): to everyone else the job is on `stream`."""
+        (two copy engines overlap their per-segment costs), joined to `stream` on both sides (helper_stream.py):
+        to everyone else the job is on `stream`."""
         segs = self.geometry[kind].segments(src_ids, dst_ids, runs)
         rt = self.rt
         if not rt.supports_batch:
@@ -215,15 +205,13 @@ class CopyPaths:
             return "per_segment"
         dst, src, nbytes = (a.astype(np.uint64) for a in (segs.dst, segs.src, segs.nbytes))
         cuts = [0, *range(min(FIRST_BATCH, len(nbytes)), len(nbytes), BATCH_SEGMENTS), len(nbytes)]
-        helper = self.helpers.get(kind)
-        streams = [stream] if helper is None or len(cuts) <= 2 else [stream, helper.stream]
-        if len(streams) > 1:
-            rt.record_event(helper.go, stream)
-            rt.wait_event(helper.stream, helper.go)
+        helper = self.helpers.get(kind) if len(cuts) > 2 else None
+        streams = [stream] if helper is None else [stream, helper.stream]
+        if helper is not None:
+            helper.follow(rt, stream)
         for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)):
             rt.memcpy_batch(dst[a:b], src[a:b], nbytes[a:b], streams[i % len(streams)])
             self.num_copy_calls += 1
-        if len(streams) > 1:
-            rt.record_event(helper.joined, helper.stream)
-            rt.wait_event(stream, helper.joined)
+        if helper is not None:
+            helper.rejoin(rt, stream)
         return "batch"

@@ -73,10 +73,6 @@ class KernelPolicy:
             rules[kind] = rule
         return KernelPolicy(rules, self.staged)
 
-    def path_of(self, kind: JobKind) -> str:
-        """The path a large job of `kind` takes: staged, kernel (by its rule) or dma."""
-        return "staged" if kind in self.staged else "kernel" if kind in self.rules else "dma"
-
     def describe(self) -> str:
         """One line: `load: staged; store: kernel for segments averaging <= 28 KiB, >= 16 of them (else DMA)`."""
         parts = []

@@ -9,14 +9,14 @@ pool: each CPU block is one range).
 
 A job's pairs are sorted by CPU block id (consecutive CPU blocks then share one DMA segment) and cut into
 chunks of at most `slot_blocks` blocks; chunk c takes slot c of the direction's ring (round robin over
-`NUM_SLOTS`) and DMA stream c of `DMA_STREAMS` (the backend's copy stream, then helpers), so two copy
-engines overlap their per-segment costs while the kernel fills the next slots. A store:
+`NUM_SLOTS`), and the chunks' DMAs take turns on the backend's copy stream and its helper (helper_stream.py),
+so two copy engines overlap their per-segment costs while the kernel fills the next slots. A store:
   kernel stream: wait for the forward (the store fence), wait until the slot is free (its previous DMA
                  completed: `slot_free`), gather the chunk's blocks into the slot, record `slot_ready`;
   DMA stream:    wait `slot_ready`, DMA the slot into the host blocks, record `slot_free`.
 The backend made its copy stream wait for the jobs in `job.after` (loads still reading host blocks this store
-writes); the helpers wait for that (`go`), and the copy stream waits for the helpers at the end (`joined`),
-where the backend records the job's completion. A load is the reverse:
+writes); the helper follows that, and the copy stream rejoins the helper at the end, where the backend
+records the job's completion. A load is the reverse:
   DMA stream:    wait until the slot is free (its previous scatter completed), DMA host blocks into the
                  slot, record `slot_ready`;
   kernel stream: wait `slot_ready` (so, through the DMA, the step fence: work launched before this step's
@@ -41,17 +41,16 @@ from offload_connector.sizing import format_bytes
 from worker_side.backends.base import CopyJob, JobKind
 from worker_side.backends.cuda.api import CudaRuntime, Event, Stream
 from worker_side.backends.cuda.fences import StepFences
+from worker_side.backends.cuda.helper_stream import Helper
 from worker_side.block_layout import TensorBlockView
 from worker_side.copy_plan import CopyGeometry
 from worker_side.errors import WorkerInvariantError
 from worker_side.host_pool import BLOCKS, HostPool
 
-STAGING_BYTES = 64 << 20  # transfer.staging_bytes: both directions' rings together
 NUM_SLOTS = 4  # per direction: two being copied (one per DMA stream) while the kernel fills the others
 MAX_SLOT_BLOCKS = 1024  # the staged kernel's shared-memory id list (segment_copy.cu)
 STAGED_MAX_CTAS = 16  # transfer.staging_max_sms: the staged kernel's grid (thread blocks of 8 warps)
 PIECE_BYTES = 32 << 10  # the largest chunk one warp of the staged kernel copies (plane_table(max_piece))
-DMA_STREAMS = 2  # chunks take turns on the copy stream and the helper (the H200 has 3 copy engines)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,16 +80,13 @@ class StagingPlan:
 
 @dataclass(slots=True)
 class _Ring:
-    kind: JobKind
     base_slot: int  # this direction's first block position in the ring views
     stream: Stream  # the kernel's stream (gathers for stores, scatters for loads)
     table_ptr: int  # the kernel's plane table (device memory)
     num_planes: int
     slot_ready: list[Event]
     slot_free: list[Event]
-    helpers: list[Stream]  # DMA streams besides the backend's copy stream
-    go: Event  # recorded on the copy stream at a job's start; the helpers wait for it
-    joined: list[Event]  # per helper: recorded after its last DMA of a job; the copy stream waits for it
+    helper: Helper | None  # the direction's second DMA stream (the backend's), or None
     free_recorded: list[bool] = field(default_factory=list)
     next_slot: int = 0
 
@@ -113,7 +109,7 @@ class StagedPath:
     """The staged path of one backend: its device memory, kernel streams and per-slot events."""
 
     def __init__(self, rt: CudaRuntime, device_views: Sequence[TensorBlockView], pool: HostPool, plan: StagingPlan,
-                 fences: StepFences, max_ctas: int, helpers: dict[JobKind, Stream] | None = None) -> None:
+                 fences: StepFences, max_ctas: int, helpers: dict[JobKind, Helper] | None = None) -> None:
         """Allocates the ring and uploads the plane tables (synchronously); a CudaError propagates, keeping
         nothing. `pool` must be a `blocks` pool. `helpers`: per direction a second DMA stream (the backend's,
         shared with its direct DMA path), or none."""
@@ -132,15 +128,11 @@ class StagedPath:
         table_at = {"store": self.tables.data_ptr(), "load": self.tables.data_ptr() + tables["store"].nbytes}
         self._upload_tables(tables, table_at["store"])
         self.rings: dict[JobKind, _Ring] = {}
-        helpers_by_kind = helpers or {}
         for i, kind in enumerate(("store", "load")):
             n = plan.num_slots
-            helpers = [helpers_by_kind[kind]] if kind in helpers_by_kind and DMA_STREAMS > 1 else []
-            self.rings[kind] = _Ring(kind, i * ring_blocks, rt.create_stream(low_priority=False, high_priority=True),
-                                     table_at[kind],
-                                     len(tables[kind]), [rt.create_event() for _ in range(n)],
-                                     [rt.create_event() for _ in range(n)], helpers, rt.create_event(),
-                                     [rt.create_event() for _ in helpers], [False] * n)
+            self.rings[kind] = _Ring(i * ring_blocks, rt.create_stream(low_priority=False, high_priority=True),
+                                     table_at[kind], len(tables[kind]), [rt.create_event() for _ in range(n)],
+                                     [rt.create_event() for _ in range(n)], (helpers or {}).get(kind), [False] * n)
         self.ring_base, self.pool_base = self.ring.data_ptr(), pool.buffer.data_ptr()
         self.cut_rows = pool.rows_per_registration
         self.num_chunks = 0  # kernel launches (one per chunk)
@@ -166,9 +158,6 @@ class StagedPath:
         """The staged path's own streams: the kernel streams (high priority: a gather or scatter waits for
         free SMs behind no queued forward work)."""
         return [r.stream for r in self.rings.values()]
-
-    def blocks_per_chunk(self) -> int:
-        return self.plan.slot_blocks
 
     def plan_job(self, job: CopyJob) -> _ChunkPlan:
         """The job's chunks in the slots the next `enqueue` of this direction takes (see the module
@@ -210,7 +199,7 @@ class StagedPath:
         except BaseException:
             # chunks may be enqueued: the job's completion (recorded on `copy_stream` by the caller) must follow
             # them all, or a failed load would be reported while a scatter still writes
-            for stream in (ring.stream, *ring.helpers):
+            for stream in (ring.stream, *([ring.helper.stream] if ring.helper is not None else [])):
                 join = rt.create_event()
                 rt.record_event(join, stream)
                 rt.wait_event(copy_stream, join)
@@ -220,16 +209,14 @@ class StagedPath:
         rt, max_ctas = self.rt, self.max_ctas
         num_chunks = len(plan.sizes)
         n = int(plan.sizes.sum())
-        dma_streams = [copy_stream, *ring.helpers][:max(1, min(num_chunks, 1 + len(ring.helpers)))]
-        helpers = dma_streams[1:]
+        helper = ring.helper if num_chunks > 1 else None
+        dma_streams = [copy_stream] if helper is None else [copy_stream, helper.stream]
         if kind == "store":  # the gathers read what the forward wrote
             self.fences.order("store", ring.stream)
         # a load's scatters need no fence of their own: each waits for its slot's DMA, which follows the step
-        # fence the backend put on the copy stream (and, on the helper, `go`)
-        if helpers:
-            rt.record_event(ring.go, copy_stream)  # what the copy stream waited for (job.after) precedes the helpers
-            for helper in helpers:
-                rt.wait_event(helper, ring.go)
+        # fence the backend put on the copy stream (and, on the helper, through `follow`)
+        if helper is not None:
+            helper.follow(rt, copy_stream)  # what the copy stream waited for (job.after) precedes the helper
         table, planes, kernel_stream = ring.table_ptr, ring.num_planes, ring.stream
         bounds, sizes, slots = plan.bounds.tolist(), plan.sizes.tolist(), plan.slots.tolist()
         start = 0
@@ -259,9 +246,8 @@ class StagedPath:
             start += m
         if kind == "load":
             return kernel_stream
-        for helper, joined in zip(helpers, ring.joined, strict=False):
-            rt.record_event(joined, helper)
-            rt.wait_event(copy_stream, joined)
+        if helper is not None:
+            helper.rejoin(rt, copy_stream)
         return copy_stream
 
     def _copy(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, stream: Stream) -> None:
