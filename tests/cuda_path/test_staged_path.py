@@ -120,7 +120,7 @@ def test_kv_first_and_separate_layer_tensors_never_merge() -> None:
 
 # ---- 3. ordering: each wait shown necessary ------------------------------------------------------------------
 def _no_fences_on_kernel_streams(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The mutation: the staging kernel streams skip their fences (the copy streams keep theirs)."""
+    """The mutation: the staging kernel streams skip their fences (a staged store's only one)."""
     from worker_side.backends.cuda.fences import StepFences
 
     original, original_init = StepFences.order, StagedPath.__init__
@@ -152,6 +152,7 @@ def _stale_stores(seeds: range) -> int:
         w.start_store(TransferMetadata(store_event=1, store_gpu_blocks=[1, 2, 3, 4], store_cpu_blocks=[5, 6, 7, 8]))
         w.wait_all()
         w.get_finished()
+        rt.drain()  # the forward ran (a store that does not wait for it may be over before it ran)
         want = [torch.cat([v.block_tensor(b) for v in w._views]) for b in (1, 2, 3, 4)]
         stale += any(not torch.equal(w.host_pool[c], x) for c, x in zip((5, 6, 7, 8), want, strict=True))
         w.shutdown()
@@ -331,6 +332,16 @@ def test_a_staged_load_waits_for_work_launched_before_the_step() -> None:
     """The scatter waits for the reader launched before the step: through the DMA it waits for, which the
     copy stream issues after the step fence."""
     assert _early_scatters(range(8)) == 0
+
+
+def test_without_its_fence_a_staged_load_overwrites_blocks_still_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The staged path places a load's one fence (the step fence, on the copy stream): without it the
+    scatter can overwrite block 5 before the reader launched before the step ran."""
+    from worker_side.backends.cuda.fences import StepFences
+
+    original = StepFences.order
+    monkeypatch.setattr(StepFences, "order", lambda self, kind, stream: kind == "store" and original(self, kind, stream))
+    assert _early_scatters(range(8)) > 0
 
 
 # ---- 4. the CPU backend as oracle -------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ class CudaBackend(TransferBackend):
                                         ("load", "store") if staging_bytes > 0 else ())
         self.calibrate = calibrate
         self.fences = StepFences(runtime)
-        self.paths = CopyPaths(runtime)
+        self.paths = CopyPaths(runtime, self.fences)
         self._jobs = InFlightJobs()
         self._ring_entries = ring_entries
         self._device: int | None = None
@@ -183,7 +183,7 @@ class CudaBackend(TransferBackend):
                                   if not self.policy.rules else unusable)
         self.staged_off_reason = ("transfer.staging_bytes is 0" if self.staging_bytes <= 0 else
                                   f"its kernel cannot run here: {unusable}" if unusable is not None else
-                                  self.paths.add_staging(device_views, pool, self.staging_bytes, self.fences,
+                                  self.paths.add_staging(device_views, pool, self.staging_bytes,
                                                          self.staged_max_ctas))
         if self.kernel_off_reason is not None:
             log = logger.info if not self.policy.rules else logger.warning
@@ -242,14 +242,14 @@ class CudaBackend(TransferBackend):
         stream = done_stream = self._streams[job.kind]
         entry = InFlight(job, None, 0)
         try:
-            self.fences.order(job.kind, stream)
-            entry.done = self.fences.event()
             if self._copier is not None:
+                self.fences.order(job.kind, stream)
+                entry.done = self.fences.event()
                 segs = self.paths.segments(job.kind, job.src_ids, job.dst_ids)
                 entry.ticket = self._copier.submit(segs, stream, entry.done, self._jobs.done_events(job.after))
                 self.paths.num_jobs_by_path["pageable"] += 1
                 entry.path = "pageable"
-            else:
+            else:  # the path places the job's fence (copy_paths.py)
                 self._wait_for_jobs(job.after, stream)
                 entry.ring_entries, done_stream, entry.path = self.paths.enqueue(job, stream, self.policy)
         except WorkerInvariantError:

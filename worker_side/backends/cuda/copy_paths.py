@@ -65,8 +65,8 @@ PATHS = ("staged", "kernel", "batch", "per_segment", "pageable")
 
 
 class CopyPaths:
-    def __init__(self, rt: CudaRuntime) -> None:
-        self.rt = rt
+    def __init__(self, rt: CudaRuntime, fences: StepFences) -> None:
+        self.rt, self.fences = rt, fences
         self.geometry: dict[JobKind, CopyGeometry] = {}  # set at bind
         self.kernel_args: KernelArgs | None = None  # set at bind, where the kernel is on
         self.staged: StagedPath | None = None  # set at bind, where the staging ring could be had
@@ -84,7 +84,7 @@ class CopyPaths:
         return None
 
     def add_staging(self, device_views: list[TensorBlockView], pool: HostPool, staging_bytes: int,
-                    fences: StepFences, max_ctas: int) -> str | None:
+                    max_ctas: int) -> str | None:
         """Set up the staged path over a `blocks` pool (its ring allocated now); why it is off, or None."""
         if pool.layout != BLOCKS:
             return f"the host pool's layout is {pool.layout!r} (our bug: staging needs {BLOCKS!r})"
@@ -92,7 +92,7 @@ class CopyPaths:
         if isinstance(plan, str):
             return plan
         try:
-            self.staged = StagedPath(self.rt, device_views, pool, plan, fences, max_ctas, self.helpers)
+            self.staged = StagedPath(self.rt, device_views, pool, plan, self.fences, max_ctas, self.helpers)
         except CudaError as exc:
             return f"its {plan.describe()} could not be had ({exc}); copies go by DMA"
         return None
@@ -125,28 +125,30 @@ class CopyPaths:
         return entries, stream, path
 
     def stage(self, job: CopyJob, stream: Stream) -> tuple[int, Stream] | None:
-        """The job by the staged path: (ring entries held, completion stream), None when the ring is full."""
+        """The job by the staged path: (ring entries held, completion stream), None when the ring is full.
+        The staged path places the job's fence (staging.py)."""
         if self.staged is None or self.kernel_args is None:
             raise WorkerInvariantError(f"{job.kind} job: staged path without its ring or arguments (our bug)")
         ring = self.kernel_args.rings[job.kind]
-        plan = self.staged.plan_job(job)
-        written = ring.write(plan.kernel_src, plan.kernel_dst)
+        ids = self.staged.plan_job(job)
+        written = ring.write(*self.staged.kernel_ids(job.kind, ids))
         if written is None:
             return None
         ptr, entries = written
         before = self.staged.num_chunks
         try:
-            done_stream = self.staged.enqueue(job, plan, stream, ptr)
+            done_stream = self.staged.enqueue(job, ids, stream, ptr)
         except Exception as exc:
-            if self.staged.num_chunks == before:  # nothing enqueued reads the ids
+            if self.staged.num_chunks == before:  # no kernel was launched: nothing reads the ids
                 ring.unwrite(entries)
                 raise
-            raise PartialSubmission(entries, exc) from exc  # enqueued chunks read the ids until the job ends
+            raise PartialSubmission(entries, exc) from exc  # launched kernels read the ids until the job ends
         finally:
             self.num_copy_calls += 2 * (self.staged.num_chunks - before)
         return entries, done_stream
 
     def _enqueue_direct(self, job: CopyJob, stream: Stream, policy: KernelPolicy) -> tuple[int, str]:
+        self.fences.order(job.kind, stream)  # the job's one fence: every copy of it is on `stream`
         geometry = self.geometry[job.kind]
         src_ids, dst_ids = job.src_ids, job.dst_ids
         runs = geometry.runs(src_ids, dst_ids)

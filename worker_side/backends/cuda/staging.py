@@ -42,6 +42,7 @@ from worker_side.backends.base import CopyJob, JobKind
 from worker_side.backends.cuda.api import CudaRuntime, Event, Stream
 from worker_side.backends.cuda.fences import StepFences
 from worker_side.backends.cuda.helper_stream import Helper
+from worker_side.backends.cuda.staged_plan import StagedDma, StagedIds, plan_dma, plan_ids
 from worker_side.block_layout import TensorBlockView
 from worker_side.copy_plan import CopyGeometry
 from worker_side.errors import WorkerInvariantError
@@ -91,20 +92,6 @@ class _Ring:
     next_slot: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class _ChunkPlan:
-    """One job's chunks, computed with a fixed number of numpy calls: the kernel's block ids, and the DMA
-    segments (uint64, the batched copy's argument type) with the segment range of each chunk."""
-    kernel_src: np.ndarray
-    kernel_dst: np.ndarray
-    dst: np.ndarray
-    src: np.ndarray
-    nbytes: np.ndarray
-    bounds: np.ndarray  # chunk c's segments are [bounds[c], bounds[c + 1])
-    sizes: np.ndarray  # blocks per chunk
-    slots: np.ndarray  # the slot of each chunk
-
-
 class StagedPath:
     """The staged path of one backend: its device memory, kernel streams and per-slot events."""
 
@@ -133,7 +120,7 @@ class StagedPath:
             self.rings[kind] = _Ring(i * ring_blocks, rt.create_stream(low_priority=False, high_priority=True),
                                      table_at[kind], len(tables[kind]), [rt.create_event() for _ in range(n)],
                                      [rt.create_event() for _ in range(n)], (helpers or {}).get(kind), [False] * n)
-        self.ring_base, self.pool_base = self.ring.data_ptr(), pool.buffer.data_ptr()
+        self.bases = np.array([[pool.buffer.data_ptr()], [self.ring.data_ptr()]], np.int64)  # host pool, ring
         self.cut_rows = pool.rows_per_registration
         self.num_chunks = 0  # kernel launches (one per chunk)
 
@@ -159,43 +146,33 @@ class StagedPath:
         free SMs behind no queued forward work)."""
         return [r.stream for r in self.rings.values()]
 
-    def plan_job(self, job: CopyJob) -> _ChunkPlan:
-        """The job's chunks in the slots the next `enqueue` of this direction takes (see the module
-        docstring); call it right before that `enqueue`."""
-        ring, k, num_slots, bpb = self.rings[job.kind], self.plan.slot_blocks, self.plan.num_slots, self.plan.bytes_per_block
-        store = job.kind == "store"
+    def plan_job(self, job: CopyJob) -> StagedIds:
+        """The job's blocks sorted by host id, in the slots the next `enqueue` of this direction takes (see
+        staged_plan.py); call it right before that `enqueue`. Its DMA segments are planned by `enqueue`."""
+        ring, store = self.rings[job.kind], job.kind == "store"
         host, gpu = (job.dst_ids, job.src_ids) if store else (job.src_ids, job.dst_ids)
-        order = np.argsort(host, kind="stable")
-        host, gpu = host[order], gpu[order]
-        n = len(host)
-        index = np.arange(n, dtype=np.int64)
-        chunk = index // k
-        num_chunks = int(chunk[-1]) + 1 if n else 0
-        slots = (ring.next_slot + np.arange(num_chunks, dtype=np.int64)) % num_slots
-        positions = ring.base_slot + slots[chunk] * k + index % k
-        # a DMA segment: a run of consecutive host blocks, within one chunk and one host registration
-        brk = np.diff(host) != 1
-        brk |= (index[1:] % k) == 0
-        if self.cut_rows is not None:
-            brk |= (host[1:] % self.cut_rows) == 0
-        starts = np.concatenate(([0], np.flatnonzero(brk) + 1)).astype(np.int64)
-        lengths = np.diff(np.concatenate((starts, [n])))
-        ring_addr = (self.ring_base + positions[starts] * bpb).astype(np.uint64)
-        host_addr = (self.pool_base + host[starts] * bpb).astype(np.uint64)
-        nbytes = (lengths * bpb).astype(np.uint64)
-        bounds = np.searchsorted(starts // k, np.arange(num_chunks + 1), side="left")
-        sizes = np.minimum(k, n - np.arange(num_chunks, dtype=np.int64) * k)
-        if store:
-            return _ChunkPlan(gpu, positions, host_addr, ring_addr, nbytes, bounds, sizes, slots)
-        return _ChunkPlan(positions, gpu, ring_addr, host_addr, nbytes, bounds, sizes, slots)
+        return plan_ids(host, gpu, ring.next_slot, self.plan.slot_blocks, self.plan.num_slots, ring.base_slot)
 
-    def enqueue(self, job: CopyJob, plan: _ChunkPlan, copy_stream: Stream, ids: int) -> Stream:
-        """Submit the job's chunks as `plan_job` planned them; `ids` is the address where the argument ring
-        holds `plan.kernel_src` then `plan.kernel_dst`. Returns the stream its completion is recorded on. A
-        CudaError propagates after the copy stream was made to wait for everything already enqueued."""
+    @staticmethod
+    def kernel_ids(kind: JobKind, ids: StagedIds) -> tuple[np.ndarray, np.ndarray]:
+        """The kernel's (source, destination) block ids: GPU blocks into ring positions for a store, the
+        reverse for a load. The argument ring holds them, source first, for the job's lifetime."""
+        return (ids.gpu, ids.positions) if kind == "store" else (ids.positions, ids.gpu)
+
+    def _plan_dma(self, ids: StagedIds) -> StagedDma:
+        return plan_dma(ids, self.plan.slot_blocks, self.plan.bytes_per_block, self.bases, self.cut_rows)
+
+    def enqueue(self, job: CopyJob, ids: StagedIds, copy_stream: Stream, args: int) -> Stream:
+        """Submit the job's chunks in the slots `plan_job` planned; `args` is the address where the argument
+        ring holds the `kernel_ids`. Returns the stream its completion is recorded on. Places the job's one
+        fence (fences.py) on the stream that first reads or writes its GPU blocks' neighbours in time: a
+        store's kernel stream, a load's copy stream. A CudaError propagates after the copy stream was made to
+        wait for everything already enqueued."""
         ring, rt = self.rings[job.kind], self.rt
         try:
-            return self._enqueue(job.kind, ring, plan, ids, copy_stream)
+            if job.kind == "store":
+                return self._enqueue_store(ring, ids, args, copy_stream)
+            return self._enqueue_load(ring, ids, args, copy_stream)
         except BaseException:
             # chunks may be enqueued: the job's completion (recorded on `copy_stream` by the caller) must follow
             # them all, or a failed load would be reported while a scatter still writes
@@ -205,50 +182,64 @@ class StagedPath:
                 rt.wait_event(copy_stream, join)
             raise
 
-    def _enqueue(self, kind: JobKind, ring: _Ring, plan: _ChunkPlan, ids: int, copy_stream: Stream) -> Stream:
-        rt, max_ctas = self.rt, self.max_ctas
-        num_chunks = len(plan.sizes)
-        n = int(plan.sizes.sum())
+    def _enqueue_store(self, ring: _Ring, ids: StagedIds, args: int, copy_stream: Stream) -> Stream:
+        """Per chunk: gather (kernel stream) then DMA (taking turns on the copy stream and its helper). Chunk 0's
+        gather is launched before the DMA is planned: the copy engines wait for it anyway."""
+        rt, k, num_slots, n = self.rt, self.plan.slot_blocks, self.plan.num_slots, ids.num_blocks
+        num_chunks = -(-n // k)
         helper = ring.helper if num_chunks > 1 else None
         dma_streams = [copy_stream] if helper is None else [copy_stream, helper.stream]
-        if kind == "store":  # the gathers read what the forward wrote
-            self.fences.order("store", ring.stream)
-        # a load's scatters need no fence of their own: each waits for its slot's DMA, which follows the step
-        # fence the backend put on the copy stream (and, on the helper, through `follow`)
-        if helper is not None:
-            helper.follow(rt, copy_stream)  # what the copy stream waited for (job.after) precedes the helper
-        table, planes, kernel_stream = ring.table_ptr, ring.num_planes, ring.stream
-        bounds, sizes, slots = plan.bounds.tolist(), plan.sizes.tolist(), plan.slots.tolist()
-        start = 0
+        self.fences.order("store", ring.stream)  # the gathers read what the forward wrote
+        dma: StagedDma | None = None
         for c in range(num_chunks):
-            s, m, dma = slots[c], sizes[c], dma_streams[c % len(dma_streams)]
-            a, b = bounds[c], bounds[c + 1]
-            src_ids, dst_ids = ids + 8 * start, ids + 8 * (n + start)
-            if kind == "store":
-                if ring.free_recorded[s]:
-                    rt.wait_event(kernel_stream, ring.slot_free[s])
-                rt.launch_staged_copy(table, planes, src_ids, dst_ids, m, kernel_stream, max_ctas)
-                rt.record_event(ring.slot_ready[s], kernel_stream)
-                rt.wait_event(dma, ring.slot_ready[s])
-                self._copy(plan.dst[a:b], plan.src[a:b], plan.nbytes[a:b], dma)
-                rt.record_event(ring.slot_free[s], dma)
-            else:
-                if ring.free_recorded[s]:
-                    rt.wait_event(dma, ring.slot_free[s])
-                self._copy(plan.dst[a:b], plan.src[a:b], plan.nbytes[a:b], dma)
-                rt.record_event(ring.slot_ready[s], dma)
-                rt.wait_event(kernel_stream, ring.slot_ready[s])
-                rt.launch_staged_copy(table, planes, src_ids, dst_ids, m, kernel_stream, max_ctas)
-                rt.record_event(ring.slot_free[s], kernel_stream)
-            ring.free_recorded[s] = True
-            ring.next_slot = (s + 1) % self.plan.num_slots
+            s, start = (ids.first_slot + c) % num_slots, c * k
+            if ring.free_recorded[s]:
+                rt.wait_event(ring.stream, ring.slot_free[s])
+            rt.launch_staged_copy(ring.table_ptr, ring.num_planes, args + 8 * start, args + 8 * (n + start),
+                                  min(k, n - start), ring.stream, self.max_ctas)
             self.num_chunks += 1
-            start += m
-        if kind == "load":
-            return kernel_stream
+            rt.record_event(ring.slot_ready[s], ring.stream)
+            if dma is None:  # after chunk 0's gather: plan the DMA, and start the helper after job.after
+                dma = self._plan_dma(ids)
+                if helper is not None:
+                    helper.follow(rt, copy_stream)
+            stream = dma_streams[c % len(dma_streams)]
+            rt.wait_event(stream, ring.slot_ready[s])
+            a, b = dma.bounds[c], dma.bounds[c + 1]
+            self._copy(dma.host_addr[a:b], dma.ring_addr[a:b], dma.nbytes[a:b], stream)
+            rt.record_event(ring.slot_free[s], stream)
+            ring.free_recorded[s] = True
+            ring.next_slot = (s + 1) % num_slots
         if helper is not None:
             helper.rejoin(rt, copy_stream)
         return copy_stream
+
+    def _enqueue_load(self, ring: _Ring, ids: StagedIds, args: int, copy_stream: Stream) -> Stream:
+        """Per chunk: DMA (taking turns on the copy stream and its helper) then scatter (kernel stream). The
+        scatters need no fence of their own: each waits for its slot's DMA, which follows the job's fence."""
+        rt, k, num_slots, n = self.rt, self.plan.slot_blocks, self.plan.num_slots, ids.num_blocks
+        num_chunks = -(-n // k)
+        helper = ring.helper if num_chunks > 1 else None
+        dma_streams = [copy_stream] if helper is None else [copy_stream, helper.stream]
+        dma = self._plan_dma(ids)
+        self.fences.order("load", copy_stream)  # the step fence: work before this step may read the GPU blocks
+        if helper is not None:
+            helper.follow(rt, copy_stream)  # the fence (and any job.after) precedes the helper's DMAs too
+        for c in range(num_chunks):
+            s, start, stream = (ids.first_slot + c) % num_slots, c * k, dma_streams[c % len(dma_streams)]
+            if ring.free_recorded[s]:
+                rt.wait_event(stream, ring.slot_free[s])
+            a, b = dma.bounds[c], dma.bounds[c + 1]
+            self._copy(dma.ring_addr[a:b], dma.host_addr[a:b], dma.nbytes[a:b], stream)
+            rt.record_event(ring.slot_ready[s], stream)
+            rt.wait_event(ring.stream, ring.slot_ready[s])
+            rt.launch_staged_copy(ring.table_ptr, ring.num_planes, args + 8 * start, args + 8 * (n + start),
+                                  min(k, n - start), ring.stream, self.max_ctas)
+            self.num_chunks += 1
+            rt.record_event(ring.slot_free[s], ring.stream)
+            ring.free_recorded[s] = True
+            ring.next_slot = (s + 1) % num_slots
+        return ring.stream
 
     def _copy(self, dst: np.ndarray, src: np.ndarray, nbytes: np.ndarray, stream: Stream) -> None:
         if self.rt.supports_batch:
