@@ -40,6 +40,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from array import array
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -245,7 +246,7 @@ class OffloadWorker:
         if len(src) != len(dst):
             raise WorkerInvariantError(f"{kind} event {event_id}: {len(src)} source vs {len(dst)} destination "
                                        "block ids (scheduler bug)")
-        src_a, dst_a = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+        src_a, dst_a = _id_array(src), _id_array(dst)
         limits = (pool.num_blocks, self._num_gpu_blocks) if kind == "load" else (self._num_gpu_blocks, pool.num_blocks)
         for ids, limit, what in ((src_a, limits[0], "source"), (dst_a, limits[1], "destination")):
             if len(ids) and (ids.min() < 1 or ids.max() >= limit):
@@ -371,3 +372,12 @@ class OffloadWorker:
             self.shared_pool.unlink()  # normally gone since start-up
         for io in self.tier_ios.values():
             io.close()
+
+
+def _id_array(ids: Sequence[int]) -> np.ndarray:
+    """`ids` as int64. The metadata's lists go through `array('q')`, about a third faster than `np.asarray` at
+    hundreds of ids (no numpy type discovery per item); a float raises TypeError where np.asarray would
+    truncate it."""
+    if isinstance(ids, list):
+        return np.frombuffer(array("q", ids), np.int64)
+    return np.asarray(ids, np.int64)
