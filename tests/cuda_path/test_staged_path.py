@@ -340,7 +340,12 @@ def test_without_its_fence_a_staged_load_overwrites_blocks_still_read(monkeypatc
     from worker_side.backends.cuda.fences import StepFences
 
     original = StepFences.order
-    monkeypatch.setattr(StepFences, "order", lambda self, kind, stream: kind == "store" and original(self, kind, stream))
+
+    def stores_only(self: StepFences, kind: str, stream: object) -> None:
+        if kind == "store":
+            original(self, kind, stream)
+
+    monkeypatch.setattr(StepFences, "order", stores_only)
     assert _early_scatters(range(8)) > 0
 
 

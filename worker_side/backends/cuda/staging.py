@@ -8,22 +8,27 @@ of GB/s on a few thread blocks, so briefly), and the copy engines move whole hos
 pool: each CPU block is one range).
 
 A job's pairs are sorted by CPU block id (consecutive CPU blocks then share one DMA segment) and cut into
-chunks of at most `slot_blocks` blocks; chunk c takes slot c of the direction's ring (round robin over
+chunks of at most `slot_blocks` blocks; chunk c takes the direction's next slot (round robin over
 `NUM_SLOTS`), and the chunks' DMAs take turns on the backend's copy stream and its helper (helper_stream.py),
 so two copy engines overlap their per-segment costs while the kernel fills the next slots. A store:
-  kernel stream: wait for the forward (the store fence), wait until the slot is free (its previous DMA
-                 completed: `slot_free`), gather the chunk's blocks into the slot, record `slot_ready`;
+  kernel stream: wait for the forward (the job's one fence, fences.py), wait until the slot is free (its
+                 previous DMA completed: `slot_free`), gather the chunk's blocks into the slot, record
+                 `slot_ready`;
   DMA stream:    wait `slot_ready`, DMA the slot into the host blocks, record `slot_free`.
 The backend made its copy stream wait for the jobs in `job.after` (loads still reading host blocks this store
 writes); the helper follows that, and the copy stream rejoins the helper at the end, where the backend
-records the job's completion. A load is the reverse:
+records the job's completion; the copy stream needs no fence of its own (its DMAs follow the gathers). A
+load is the reverse, its one fence (the step fence) on the copy stream:
   DMA stream:    wait until the slot is free (its previous scatter completed), DMA host blocks into the
                  slot, record `slot_ready`;
   kernel stream: wait `slot_ready` (so, through the DMA, the step fence: work launched before this step's
                  forward may still read the GPU blocks), scatter the slot into the GPU blocks, record
                  `slot_free`.
 It is done when the kernel stream passes its last chunk; only then may the compute stream read the blocks.
-Host work per job is a fixed number of numpy calls (`_ChunkPlan`); per chunk only the CUDA calls.
+Host work per job is a fixed number of numpy calls (staged_plan.py), per chunk only the CUDA calls. What
+runs before a job's first launch is kept short: the ids sorted and placed in the ring (the kernel's
+arguments) and the fence; a store's first gather is launched before its DMA segments are planned (a load's
+first DMA needs them).
 Invariants: the ring (one device allocation: a ring per direction) and the plane tables (another) are
 allocated at bind and never resized; a slot is never written before the copy that reads it completed; every
 event here is permanent and re-recorded only after the waits on its previous record were enqueued; the
@@ -165,8 +170,8 @@ class StagedPath:
     def enqueue(self, job: CopyJob, ids: StagedIds, copy_stream: Stream, args: int) -> Stream:
         """Submit the job's chunks in the slots `plan_job` planned; `args` is the address where the argument
         ring holds the `kernel_ids`. Returns the stream its completion is recorded on. Places the job's one
-        fence (fences.py) on the stream that first reads or writes its GPU blocks' neighbours in time: a
-        store's kernel stream, a load's copy stream. A CudaError propagates after the copy stream was made to
+        fence (fences.py): on a store's kernel stream (the gathers read what the forward wrote), on a load's
+        copy stream (each scatter follows its DMA). A CudaError propagates after the copy stream was made to
         wait for everything already enqueued."""
         ring, rt = self.rings[job.kind], self.rt
         try:
