@@ -40,22 +40,25 @@ STUBBED = ("get_device", "compute_stream", "create_event", "record_event", "wait
            "synchronize_event", "synchronize_stream", *COPY_CALLS)
 
 
-class CallStubs:
-    """Replaces the runtime's per-job calls by no-ops on the instance (every part of the backend holds the
-    same runtime object); counts them and notes when the first copy call of a job arrives."""
+class FirstCopyClock:
+    """Wraps a runtime's calls on the instance (every part of the backend holds the same runtime object): notes
+    when the first copy call (`COPY_CALLS`) since `reset` arrives, and how many wrapped calls came before it.
+    Calls named in `stubbed` become no-ops returning a canned value; the others go through (on a GPU:
+    benchmarks/datapath_gpu.py)."""
 
-    def __init__(self, rt: object) -> None:
+    def __init__(self, rt: object, stubbed: tuple[str, ...] = ()) -> None:
         self.calls = 0
         self.first_at: float | None = None
         self.calls_before_first = 0
-        compute = rt.compute_stream()
-        event = rt.create_event()
-        device = rt.get_device()
-        for name in STUBBED:
-            setattr(rt, name, self._stub(name, {"compute_stream": compute, "create_event": event,
-                                                "query_event": True, "get_device": device}.get(name)))
+        canned = {}
+        if stubbed:
+            canned = {"compute_stream": rt.compute_stream(), "create_event": rt.create_event(),
+                      "query_event": True, "get_device": rt.get_device()}
+        for name in dict.fromkeys((*stubbed, *COPY_CALLS)):
+            inner = None if name in stubbed else getattr(rt, name)
+            setattr(rt, name, self._wrap(name, inner, canned.get(name)))
 
-    def _stub(self, name: str, result: object):
+    def _wrap(self, name: str, inner, result: object):
         copy = name in COPY_CALLS
 
         def call(*args, **kwargs) -> object:
@@ -63,7 +66,7 @@ class CallStubs:
             if copy and self.first_at is None:
                 self.first_at = time.perf_counter()
                 self.calls_before_first = self.calls - 1
-            return result
+            return result if inner is None else inner(*args, **kwargs)
         return call
 
     def reset(self) -> None:
@@ -99,7 +102,7 @@ def measure(reps: int, seed: int) -> dict:
         pool = POOL_FACTOR * n + 1
         rt, worker = make_worker(heads, pool)
         backend = worker.backend
-        stubs = CallStubs(rt)
+        clock = FirstCopyClock(rt, STUBBED)
         inner, entered = backend.submit, [0.0]
 
         def submit(job, inner=inner, entered=entered) -> None:
@@ -119,16 +122,16 @@ def measure(reps: int, seed: int) -> dict:
                         TransferMetadata(load_event=next(events), load_gpu_blocks=gpu, load_cpu_blocks=cpu,
                                          load_event_reqs=["r"]))
                 worker.begin_step()
-                stubs.reset()
+                clock.reset()
                 t0 = time.perf_counter()
                 (worker.start_store if kind == "store" else worker.start_load)(meta)
                 t1 = time.perf_counter()
-                if stubs.first_at is None:
+                if clock.first_at is None:
                     raise RuntimeError(f"{name} {kind}: no copy call reached the runtime")
-                first.append(stubs.first_at - t0)
-                backend_first.append(stubs.first_at - entered[0])
+                first.append(clock.first_at - t0)
+                backend_first.append(clock.first_at - entered[0])
                 total.append(t1 - t0)
-                calls = stubs.calls_before_first
+                calls = clock.calls_before_first
                 worker.get_finished()
                 backend.end_step()
             med = {k: round(statistics.median(v[3:]) * 1e6, 1) for k, v in

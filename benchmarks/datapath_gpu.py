@@ -13,7 +13,8 @@ One JSON object (scripts/gpu_check.sh saves it as bench_cuda.json):
 - `forward_slowdown`: a bf16 matmul loop on the compute stream, timed alone and while stores and loads of
   scattered 32 KiB segments run, per path: `matmul_slowdown` (median of adjacent pairs) is what our copies
   cost the forward, `copy_slowdown` what the forward costs the copies.
-- `submit_us`: host time of one `start_store` / `start_load` call (the engine thread's cost), 1 to 64 blocks.
+- `submit_us`: host time of one `start_store` / `start_load` call (the engine thread's cost), 1 to 64 blocks
+  of 32 KiB segments and 512 of 4 KiB, and the part of it before the first copy call reached the runtime.
 - `round_trip`: random jobs through the default configuration on a 32-layer Llama-8B-shaped cache
   (FlashAttention's [2, blocks, 16, 8, 128] bf16 per layer) in both layouts, every block compared byte
   for byte after a store, a clobber and a load into other blocks.
@@ -310,32 +311,47 @@ def slowdown_case(kv: dict[str, torch.Tensor], pool: int, policy: str, extra: di
         worker.shutdown()
 
 
+SUBMIT_CASES = {"1": (32 << 10, 1), "8": (32 << 10, 8), "64": (32 << 10, 64), "4KiB_512": (4 << 10, 512)}
+
+
 def submit_cost(reps: int, rng: random.Random) -> dict:
-    """Host time on the engine thread per `start_store` / `start_load` call of the default configuration,
-    Llama-8B-shaped layer-compact cache (32 layers, 32 KiB segments), 1 to 64 blocks: median of `reps`."""
-    segment, layers, blocks = 32 << 10, 32, 513
-    kv = make_kv("layer_compact", segment, layers, blocks)
-    out: dict = {}
-    for policy in ("default", "dma"):
-        worker = make_worker(kv, blocks, blocks, policy)
-        jobs, row = Jobs(worker), {}
-        try:
-            for n in (1, 8, 64):
-                store_us, load_us = [], []
-                for _ in range(reps):
-                    gpu, cpu = rng.sample(range(1, blocks), n), rng.sample(range(1, blocks), n)
-                    for kind, times in (("store", store_us), ("load", load_us)):
-                        worker.begin_step()
-                        t0 = time.perf_counter()
-                        getattr(jobs, kind)(gpu, cpu)
-                        times.append((time.perf_counter() - t0) * 1e6)
-                        jobs.finish()
-                row[str(n)] = {"store_us": round(statistics.median(store_us), 1),
-                               "load_us": round(statistics.median(load_us), 1)}
-            row["policy"] = worker.backend.policy.describe()
-        finally:
-            worker.shutdown()
-        out[policy] = row
+    """Host time on the engine thread per `start_store` / `start_load` call, layer-compact cache of 32 layers:
+    32 KiB segments (Llama-8B-shaped, 2 MiB blocks) for 1, 8 and 64 blocks, and 4 KiB segments for 512
+    blocks (both 128 MiB at the largest), scattered ids; median of `reps`. `*_us`: the whole call;
+    `*_first_us`: from the call to the entry of its first copy call into the runtime (a store's first
+    gather or kernel launch or DMA, a load's first DMA or launch): our Python and the driver calls before it,
+    the time the copy engines wait for the host."""
+    from bench_host_time import FirstCopyClock  # benchmarks/, on the path as this file is
+
+    out: dict = {policy: {} for policy in ("default", "dma")}
+    for segment in sorted({seg for seg, _ in SUBMIT_CASES.values()}, reverse=True):
+        cases = {name: n for name, (seg, n) in SUBMIT_CASES.items() if seg == segment}
+        blocks = POOL_FACTOR * max(cases.values()) + 1
+        kv = make_kv("layer_compact", segment, 32, blocks)
+        for policy, row in out.items():
+            worker = make_worker(kv, blocks, blocks, policy)
+            jobs, clock = Jobs(worker), FirstCopyClock(worker.backend.rt)
+            try:
+                for name, n in cases.items():
+                    times: dict[str, list[float]] = {k: [] for k in ("store_us", "load_us", "store_first_us",
+                                                                     "load_first_us")}
+                    for _ in range(reps):
+                        gpu, cpu = rng.sample(range(1, blocks), n), rng.sample(range(1, blocks), n)
+                        for kind in ("store", "load"):
+                            worker.begin_step()
+                            clock.reset()
+                            t0 = time.perf_counter()
+                            getattr(jobs, kind)(gpu, cpu)
+                            times[f"{kind}_us"].append((time.perf_counter() - t0) * 1e6)
+                            if clock.first_at is not None:
+                                times[f"{kind}_first_us"].append((clock.first_at - t0) * 1e6)
+                            jobs.finish()
+                    row[name] = {k: round(statistics.median(v), 1) for k, v in times.items() if v}
+                row["policy"] = worker.backend.policy.describe()
+            finally:
+                worker.shutdown()
+        del kv
+        torch.cuda.empty_cache()
     return out
 
 

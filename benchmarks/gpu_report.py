@@ -58,8 +58,9 @@ def report(data: dict) -> list[str]:
                          f"{row['d2h_two_streams_vs_copy']:.2f}/{row['h2d_two_streams_vs_copy']:.2f}")
     for policy, row in data.get("submit_us", {}).items():
         if isinstance(row, dict):
-            lines.append(f"host us per start_store/start_load ({policy}): " + ", ".join(
-                f"{n} blocks {r['store_us']}/{r['load_us']}" for n, r in row.items() if isinstance(r, dict)))
+            lines.append(f"host us per start_store/start_load ({policy}), to the first copy call in (): " + ", ".join(
+                f"{n} blocks {r['store_us']}/{r['load_us']} ({r.get('store_first_us')}/{r.get('load_first_us')})"
+                for n, r in row.items() if isinstance(r, dict)))
     lines.append(f"summary: {json.dumps(data.get('summary'))}")
     return lines
 
