@@ -12,7 +12,7 @@ This class binds to the KV cache and coordinates three parts, each owning its st
 
 Per engine step (vLLM 0.32 order; docs/worker.md has the diagram): `begin_step()` before the forward is
 launched; `submit(load)` on the load stream, which overlaps this step's forward; `submit(store)` on the
-store stream, after the forward that wrote the blocks and after the completion of each job in `job.after`
+store stream (a staged store's gathers on the staging kernel stream), after the forward that wrote the blocks and after the completion of each job in `job.after`
 (this step's load, when the store writes host blocks that load reads); `poll()` queries completion events
 and never blocks (`sync_loads = False`): a request resumes in the step after its load completed. Stores have
 their own stream, so a load the engine needs never queues behind a large store (it asks for the lowest

@@ -14,7 +14,8 @@ staging ring could be had the staged path (staging.py).
 - "batch": `memcpy_batch` calls of at most `BATCH_SEGMENTS` segments (the first of `FIRST_BATCH`), taking
   turns on the direction's copy stream and its helper (`dma`); "per_segment": one `memcpy` per segment,
   where the driver lacks the batched call.
-`num_copy_calls` counts the launches and memcpy calls made, `num_jobs_by_path` the path each job took (the
+Each job gets one fence (fences.py `order`), placed by its path on the stream that must follow the compute:
+a staged store's kernel stream, else `stream`. `num_copy_calls` counts the launches and memcpy calls made, `num_jobs_by_path` the path each job took (the
 backend counts "pageable" jobs, which its copy thread issues). A driver error propagates to the backend,
 which fails the job; a launch that raises keeps no ring entries (kernel_args.py).
 """
