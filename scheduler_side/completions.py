@@ -205,7 +205,11 @@ class Completions:
             self.kv_events.stored(keys)
             self.stats.num_stored_blocks += len(event.cpu_blocks)
             cpu_pool.free(event.cpu_blocks)
-        self.gpu_pool.free(event.gpu_block_ids, front=self.policy.gpu_copy_worthless_after_store and not failed)
-        frontier = self.policy.on_store_complete(event_id)
-        if frontier:  # saved blocks went to the head: the policy restores the GPU's LRU order around them
-            self.gpu_pool.move_to_front(frontier)
+        policy = self.policy
+        places = None if failed else policy.stored_blocks_places(event_id)
+        if places is None:
+            self.gpu_pool.free(event.gpu_block_ids, front=policy.gpu_copy_worthless_after_store and not failed)
+        else:
+            for anchor, gpu_ids in places:  # (in order: a group may go behind a block an earlier one freed)
+                self.gpu_pool.free(gpu_ids, front=True, after=anchor)
+        policy.on_store_complete(event_id)

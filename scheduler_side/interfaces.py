@@ -32,25 +32,27 @@ class GpuPool(Protocol):
         Our references are not cache accesses: the engine's cache metrics must not count them.
         """
 
-    def free(self, gpu_block_ids: Sequence[int], front: bool = False) -> None:
+    def free(self, gpu_block_ids: Sequence[int], front: bool = False, after: int | None = None) -> None:
         """Drop one of our references; at zero the block enters the free queue (where the engine puts a freed
-        block, or at the head if front, the first listed nearest the head)."""
+        block, or at the head if front, the first listed nearest the head; with `after`, a free block's id,
+        right behind that block, the first listed nearest it)."""
 
     def eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         """(gpu_block_id, cache key or None) of free blocks, from the eviction frontier onwards."""
 
-    def frontier(self, num: int) -> tuple[list[int], list[bytes | None]]:
-        """The first `num` free blocks from the eviction frontier (fewer when the queue is shorter), as
-        their ids and their cache keys (None: no key), both in queue order. Reads only."""
+    def frontier(self, num: int, after: int | None = None) -> tuple[list[int], list[bytes | None]]:
+        """The first `num` free blocks from the eviction frontier (fewer when the queue is shorter), or
+        with `after` (a free block's id) the first `num` behind that block, as their ids and their cache
+        keys (None: no key), both in queue order. Reads only; O(num)."""
+
+    def is_free(self, gpu_block_id: int) -> bool:
+        """The block is in the free queue now (O(1))."""
+
+    def cached_block(self, key: bytes) -> int | None:
+        """The id of a block whose cache key is `key` (free or held), None if none has it (O(1))."""
 
     def num_free_blocks(self) -> int:
         """Blocks in the free queue now."""
-
-    def move_to_front(self, blocks: Sequence[tuple[int, bytes | None]]) -> None:
-        """Put these free blocks at the head of the free queue, first listed nearest the head.
-
-        A block that is held now, or whose cache key is no longer the one given, is left where it is.
-        """
 
 
 class StepRequest(NamedTuple):
@@ -85,25 +87,26 @@ class BlockPoolGpuView:
         blocks = self.pool.blocks
         self.pool.touch(blocks[i] for i in gpu_block_ids)
 
-    def free(self, gpu_block_ids: Sequence[int], front: bool = False) -> None:
+    def free(self, gpu_block_ids: Sequence[int], front: bool = False, after: int | None = None) -> None:
         blocks = self.pool.blocks
-        self.pool.free((blocks[i] for i in gpu_block_ids), front=front)
+        self.pool.free((blocks[i] for i in gpu_block_ids), front=front,
+                       after=None if after is None else blocks[after])
 
     def eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         for block in self.pool.free_queue:
             yield block.block_id, block.block_hash
 
-    def frontier(self, num: int) -> tuple[list[int], list[bytes | None]]:
-        blocks = list(islice(self.pool.free_queue, max(0, num)))
+    def frontier(self, num: int, after: int | None = None) -> tuple[list[int], list[bytes | None]]:
+        start = None if after is None else self.pool.blocks[after]
+        blocks = list(islice(self.pool.free_queue.iter_after(start), max(0, num)))
         return [b.block_id for b in blocks], [b.block_hash for b in blocks]
+
+    def is_free(self, gpu_block_id: int) -> bool:
+        return self.pool.free_queue.contains(self.pool.blocks[gpu_block_id])
+
+    def cached_block(self, key: bytes) -> int | None:
+        block = self.pool.cached.get(key)
+        return None if block is None else block.block_id
 
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
-
-    def move_to_front(self, blocks: Sequence[tuple[int, bytes | None]]) -> None:
-        queue = self.pool.free_queue
-        for gpu_block_id, key in reversed(blocks):
-            block = self.pool.blocks[gpu_block_id]
-            if block.ref_cnt == 0 and block.block_hash == key:
-                queue.remove(block)
-                queue.appendleft(block)

@@ -134,14 +134,22 @@ class OffloadScheduler:
 
     def _listen_to_cpu_evictions(self) -> None:
         """The CPU pool calls `_on_cpu_evict` only while someone hears of it: the KV event log, or a store
-        policy that still counts evictions (`StorePolicy.hears_cpu_evictions`). Per evicted block that is a
-        chain of calls; most steps of a full tier evict. Re-checked once a step and when events turn on."""
-        wanted = self.kv_events.enabled or self.policy.hears_cpu_evictions
+        policy that still counts evictions (`StorePolicy.hears_cpu_evictions`) or follows its copies
+        (`hears_cpu_copy_drops`; alone, it is called directly). Per evicted block that is a chain of calls;
+        most steps of a full tier evict. Re-checked once a step and when events turn on."""
+        policy = self.policy
+        self._copy_drops_heard = policy.hears_cpu_copy_drops
+        if self._copy_drops_heard and not (self.kv_events.enabled or policy.hears_cpu_evictions or self._keeping):
+            self.cpu_pool.on_evict = policy.on_cpu_copy_dropped
+            return
+        wanted = self.kv_events.enabled or policy.hears_cpu_evictions or self._copy_drops_heard
         self.cpu_pool.on_evict = self._on_cpu_evict if wanted else None
 
     def _on_cpu_evict(self, key: bytes, evicted: bool) -> None:
         """The CPU pool dropped `key`: evicted by allocation (`evicted`; the store policy hears of it unless a
         lower tier keeps it: then of that tier's drops) or forgotten. The KV event log records either."""
+        if self._copy_drops_heard:
+            self.policy.on_cpu_copy_dropped(key, evicted)
         if evicted and not (self._keeping and any(tier.keeps_cpu_evictions() for tier in self._keeping)):
             self.policy.on_cpu_evicted(key)
         self.kv_events.on_cpu_evict(key, evicted)

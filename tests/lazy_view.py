@@ -60,9 +60,16 @@ class ScriptedView:
     def gpu_eviction_candidates(self):
         return iter(self.frontier)
 
-    def gpu_frontier(self, num: int):
-        head = self.frontier[:num]
+    def gpu_frontier(self, num: int, after: int | None = None):
+        start = 0 if after is None else 1 + [gpu_id for gpu_id, _ in self.frontier].index(after)
+        head = self.frontier[start:start + num]
         return [gpu_id for gpu_id, _ in head], [key for _, key in head]
+
+    def gpu_cached_block(self, key: bytes) -> int | None:
+        return next((gpu_id for gpu_id, k in self.frontier if k == key), None)
+
+    def gpu_is_free(self, gpu_block_id: int) -> bool:
+        return any(gpu_id == gpu_block_id for gpu_id, _ in self.frontier)
 
 
 def key(i: int) -> bytes:

@@ -212,14 +212,15 @@ def is_mamba_hybrid(vllm_config: Any) -> bool:
 
 
 # ---------------------------------------------------------------- the GPU free queue
-def free_queue_reader(block_pool: Any) -> Callable[[int], tuple[list[int], list[Any]]]:
+def free_queue_reader(block_pool: Any) -> Callable[[int, Any], tuple[list[int], list[Any]]]:
     """A function reading the ids and block hashes of the first `num` blocks of `block_pool`'s free queue,
-    head (evicted first) to tail: what the public `free_block_queue.iter_blocks_after(None)` and each
-    block's `block_hash` give, in about half their time (the lazy store policy reads hundreds of blocks a
-    step). 0.32, 0.33: `FreeKVCacheBlockQueue` links the free blocks between the sentinel blocks
-    `fake_free_list_head` and `fake_free_list_tail` through `KVCacheBlock.next_free_block`, and the
-    `block_hash` property returns the field `_block_hash`. A release without those gets the public walk.
-    Reads `block_pool.free_block_queue` at every call; changes nothing."""
+    head (evicted first) to tail, or of the first `num` behind a given free block: what the public
+    `free_block_queue.iter_blocks_after(block)` and each block's `block_hash` give, in about half their
+    time (the lazy store policy reads hundreds of blocks a step). 0.32, 0.33: `FreeKVCacheBlockQueue` links
+    the free blocks between the sentinel blocks `fake_free_list_head` and `fake_free_list_tail` through
+    `KVCacheBlock.next_free_block`, and the `block_hash` property returns the field `_block_hash`. A
+    release without those gets the public walk. Reads `block_pool.free_block_queue` at every call; changes
+    nothing."""
     from itertools import islice
 
     from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
@@ -230,23 +231,52 @@ def free_queue_reader(block_pool: Any) -> Callable[[int], tuple[list[int], list[
              and "_block_hash" in KVCacheBlock.__dataclass_fields__
              and isinstance(vars(KVCacheBlock).get("block_hash"), property))
     if not links:
-        def read_public(num: int) -> tuple[list[int], list[Any]]:
-            blocks = list(islice(block_pool.free_block_queue.iter_blocks_after(None), max(0, num)))
+        def read_public(num: int, after: Any = None) -> tuple[list[int], list[Any]]:
+            blocks = list(islice(block_pool.free_block_queue.iter_blocks_after(after), max(0, num)))
             return [b.block_id for b in blocks], [b.block_hash for b in blocks]
         return read_public
 
-    def read_links(num: int) -> tuple[list[int], list[Any]]:
+    def read_links(num: int, after: Any = None) -> tuple[list[int], list[Any]]:
         queue = block_pool.free_block_queue
-        block, tail = queue.fake_free_list_head.next_free_block, queue.fake_free_list_tail
+        block = (queue.fake_free_list_head if after is None else after).next_free_block
+        tail = queue.fake_free_list_tail
         blocks: list[Any] = []
         append = blocks.append
         for _ in range(num):
-            if block is tail:
+            if block is tail or block is None:
                 break
             append(block)
             block = block.next_free_block
         return [b.block_id for b in blocks], [b._block_hash for b in blocks]
     return read_links
+
+
+def free_queue_inserter(block_pool: Any) -> Callable[[Any, list[Any]], None] | None:
+    """A function putting free blocks (not in the queue) right behind a block of `block_pool`'s free queue,
+    in list order: what `FreeKVCacheBlockQueue.prepend_n` does at the queue's head, at another block. 0.32,
+    0.33: the links `prev_free_block` / `next_free_block` and the count `num_free_blocks`, as `prepend_n`
+    writes them. None where vLLM's queue lacks them (the caller then puts the blocks at the head)."""
+    from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+
+    queue = block_pool.free_block_queue
+    fields = KVCacheBlock.__dataclass_fields__
+    if not (isinstance(queue, FreeKVCacheBlockQueue) and hasattr(queue, "num_free_blocks")
+            and "next_free_block" in fields and "prev_free_block" in fields):
+        return None
+
+    def insert_after(anchor: Any, blocks: list[Any]) -> None:
+        nxt = anchor.next_free_block
+        if nxt is None:
+            raise RuntimeError(f"GPU block {anchor.block_id} is not in vLLM's free queue (our bug)")
+        prev = anchor
+        for block in blocks:
+            block.prev_free_block = prev
+            prev.next_free_block = block
+            prev = block
+        prev.next_free_block = nxt
+        nxt.prev_free_block = prev
+        block_pool.free_block_queue.num_free_blocks += len(blocks)
+    return insert_after
 
 
 # ---------------------------------------------------------------- engine internals

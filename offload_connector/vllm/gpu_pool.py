@@ -4,8 +4,7 @@ The engine owns the pool. Through this view the connector only ever
 - takes one reference on a block (`touch`) while a transfer of it is in flight, and
 - drops exactly the references it took (`free`), optionally putting blocks that reach zero at the *head*
   of vLLM's free queue (evicted first) instead of vLLM's own place for them, and
-- reads the free queue from its head (the eviction frontier) for lazy stores, and puts blocks it saved
-  back at their place in that order (`move_to_front`).
+- reads the free queue from its head (the eviction frontier), or on from a free block, for lazy stores.
 
 Invariants kept: a block with a connector reference has ref_cnt > 0, so it is never in vLLM's free queue
 and never handed to another request; the null block (id 0) is never touched or freed here. A failed
@@ -45,15 +44,17 @@ class VllmGpuPool:
 
     def __init__(self, block_pool: Any | None = None) -> None:
         self._pool: Any | None = None
-        self._read_frontier: Callable[[int], tuple[list[int], list[Any]]] | None = None
+        self._read_frontier: Callable[[int, Any], tuple[list[int], list[Any]]] | None = None
+        self._insert_after: Callable[[Any, list[Any]], None] | None = None
         if block_pool is not None:
             self.bind(block_pool)
 
     def bind(self, block_pool: Any) -> None:
-        from offload_connector.vllm.compat import free_queue_reader
+        from offload_connector.vllm.compat import free_queue_inserter, free_queue_reader
 
         self._pool = block_pool
         self._read_frontier = free_queue_reader(block_pool)
+        self._insert_after = free_queue_inserter(block_pool)
 
     @property
     def pool(self) -> Any:
@@ -79,9 +80,10 @@ class VllmGpuPool:
                 queue.remove(block)  # a free block is always in the queue (vLLM's invariant)
             block.ref_cnt += 1
 
-    def free(self, gpu_block_ids: Sequence[int], front: bool = False) -> None:
+    def free(self, gpu_block_ids: Sequence[int], front: bool = False, after: int | None = None) -> None:
         """Drop one reference per id listed. At zero vLLM's `free_blocks` queues a block (hashed: tail,
-        unhashed: head); with `front` the blocks reaching zero then go to the head, first listed first."""
+        unhashed: head); with `front` the blocks reaching zero then go to the head, first listed first; with
+        `after` (a free block) right behind it, first listed first (at the head where vLLM's queue cannot)."""
         blocks = self._blocks(gpu_block_ids)
         distinct = len(set(gpu_block_ids)) == len(gpu_block_ids)
         if blocks and min(map(_ref_cnt, blocks)) <= 0 or not distinct:
@@ -90,17 +92,25 @@ class VllmGpuPool:
                 if ref_cnt < num_frees:
                     raise GpuPoolError(
                         f"{num_frees} free(s) of GPU block {gpu_block_id} with ref_cnt {ref_cnt} (our bug)")
-        if not front:
+        anchor = None
+        if after is not None:
+            anchor = self.pool.blocks[after]
+            if anchor.ref_cnt != 0 or anchor.is_null:
+                raise GpuPoolError(f"free after GPU block {after}, which is not free (our bug)")
+        if not front and anchor is None:
             self.pool.free_blocks(blocks)
             return
-        # At the head: what `free_blocks` then `remove` and `prepend_n` would do, without queueing each block
+        # At the head (or behind `anchor`): what `free_blocks` then `remove` and `prepend_n` would do, without queueing each block
         # at vLLM's place first (the blocks are the pool's own, none the null block).
         for block in blocks:
             block.ref_cnt -= 1
         if not distinct:  # a block listed twice is placed once, where it is first listed
             blocks = list(map(self.pool.blocks.__getitem__, dict.fromkeys(gpu_block_ids)))
         released = [block for block in blocks if block.ref_cnt == 0]
-        self.pool.free_block_queue.prepend_n(released)  # the first listed block ends up nearest the head
+        if anchor is not None and self._insert_after is not None:
+            self._insert_after(anchor, released)  # the first listed block ends up nearest the anchor
+        else:
+            self.pool.free_block_queue.prepend_n(released)  # the first listed block ends up nearest the head
 
     def eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         """(gpu_block_id, cache key or None) of free blocks, walking from the head of vLLM's free queue.
@@ -110,29 +120,28 @@ class VllmGpuPool:
         for block in self.pool.free_block_queue.iter_blocks_after(None):
             yield block.block_id, block.block_hash
 
-    def frontier(self, num: int) -> tuple[list[int], list[bytes | None]]:
-        """Ids and cache keys of the first `num` free blocks from the head of vLLM's free queue (what
-        `iter_blocks_after` walks; read by `compat.free_queue_reader`)."""
+    def frontier(self, num: int, after: int | None = None) -> tuple[list[int], list[bytes | None]]:
+        """Ids and cache keys of the first `num` free blocks from the head of vLLM's free queue, or behind
+        the free block `after` (what `iter_blocks_after` walks; read by `compat.free_queue_reader`)."""
         read = self._read_frontier
         if read is None:
             raise GpuPoolError("vLLM's GPU block pool was not bound yet (bind_gpu_block_pool not called)")
-        return read(num)
+        if after is None:
+            return read(num, None)
+        block = self.pool.blocks[after]
+        if block.ref_cnt != 0 or block.is_null:
+            raise GpuPoolError(f"frontier after GPU block {after}, which is not free (our bug)")
+        return read(num, block)
 
-    def move_to_front(self, blocks: Sequence[tuple[int, bytes | None]]) -> None:
-        """Put these free blocks at the head of vLLM's free queue, first listed nearest the head.
+    def is_free(self, gpu_block_id: int) -> bool:
+        """In vLLM's free queue: every block with no reference is there, the null block never."""
+        block = self.pool.blocks[gpu_block_id]
+        return block.ref_cnt == 0 and not block.is_null
 
-        A block that is held now, or whose hash changed since it was listed, stays where it is.
-        """
-        pool_blocks = self.pool.blocks
-        moved: dict[int, Any] = {}  # by id, in list order: a block listed twice moves once
-        for gpu_block_id, key in blocks:
-            block = pool_blocks[gpu_block_id]
-            if block.ref_cnt == 0 and not block.is_null and block.block_hash == key:
-                moved.setdefault(gpu_block_id, block)
-        queue = self.pool.free_block_queue
-        for block in moved.values():
-            queue.remove(block)
-        queue.prepend_n(list(moved.values()))
+    def cached_block(self, key: bytes) -> int | None:
+        """vLLM's prefix cache map: a block holding `key` (`BlockHashToBlockMap.get_one_block`)."""
+        block = self.pool.cached_block_hash_to_block.get_one_block(key)
+        return None if block is None else block.block_id
 
     def num_free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()

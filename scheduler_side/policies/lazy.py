@@ -1,9 +1,20 @@
 """The lazy store policy (exclusive-leaning tier): store only what the GPU is about to evict.
 
 Only free, hashed GPU blocks within `lookahead` blocks of the GPU pool's eviction frontier that are not on
-the CPU yet (and not dead: see admission.py) are stored, so the GPU evicts only saved blocks. Saved GPU
-blocks return to their place in the GPU free queue (LRU order is kept). In a step that ran at most one
-request, the saved blocks within a deferred admission's span have their CPU copies made most recently used
+the CPU yet (and not dead: see admission.py) are stored, so the GPU evicts only saved blocks. A stored
+block goes back where it was picked, behind the block before it then (`stored_blocks_places`), so the
+GPU's LRU order is kept; at the head where that block is gone.
+
+The saved head: the free blocks at the head of the GPU free queue that the policy scanned and did not pick
+(saved, unhashed or dead) up to the last of them (the cursor), with the stored blocks put back among them.
+Each step scans on from the cursor only as far as the budget exceeds the saved head, so a step reads only
+the blocks that entered the budget since the last one. Blocks leave the saved head as the engine takes
+them (its allocations and GPU hits, told through `on_allocated` and `on_scheduled`) and when the tier
+drops their CPU copies (`on_cpu_copy_dropped`: picked again at the next step, charged as the scan would
+charge them). When the engine took the cursor's block, or the tier dropped its copy, the scan starts from
+the head again. Blocks the engine takes without telling the policy (a request the connector never looked
+up) stay counted in the saved head until the engine takes the cursor's block. In a step that
+ran at most one request, the saved blocks within a deferred admission's span have their CPU copies made most recently used
 before the step's stores take CPU blocks (the admission drops them from the GPU next step: in an exclusive
 tier they are newer than anything on the CPU, and a copy the stores evicted would be lost then).
 CPU copies of blocks that were just loaded to the GPU, or that an admitted request hit on the GPU, are
@@ -29,9 +40,12 @@ meant to save (the lookahead, deferred spans, prompt rests), a finishing request
 (one reference each) until the next step's store event takes them, at most as many as the CPU tier has free
 blocks; every hold ends at the next `pick_stores` (its reference becomes the store event's, or is released).
 So the engine's GPU cache can keep, for one step, blocks vLLM alone would have evicted.
-Cost per step: the frontier read (`gpu_frontier`: O(lookahead + deferred spans + prompt rests; the rests
-at most the engine's step bound when known), as list building, no Python step of ours per block) plus
-O(unsaved blocks in it) Python steps (frontier_scan.py); per admission O(blocks allocated + its GPU hit).
+Cost per step: the frontier read past the cursor (`gpu_frontier`: O(blocks that entered the budget since the
+last step), as list building, no Python step of ours per block) plus O(unsaved blocks in it) Python steps
+(frontier_scan.py); O(1) per CPU copy dropped; O(blocks stored) when a store completes; per admission
+O(blocks allocated + its GPU hit), with no read when the saved head covers what it allocates and the tier
+dropped none of its copies since the last step. Nothing grows with the GPU pool, the CPU tier or the free
+queue.
 Follows store_policy's call order.
 """
 
@@ -41,7 +55,7 @@ from math import ceil
 
 from offload_connector.hashing import group_suffix, with_group_id
 from scheduler_side.policies.evicted_keys import EvictedKeys
-from scheduler_side.policies.frontier_scan import scan_frontier
+from scheduler_side.policies.saved_head import SavedHead
 from scheduler_side.policies.store_policy import EagerStorePolicy, StorePicks, StorePolicy, StorePolicyView
 from scheduler_side.request_state import LoadJob, RequestState
 
@@ -58,9 +72,7 @@ class LazyStorePolicy(StorePolicy):
         self._step_alloc = 0  # blocks the engine handed to requests this step
         self._peak_alloc = 0.0  # decaying peak of per-step allocations
         self._admit_mean = 0.0  # mean largest admission of steps that ran at most one request (EMA)
-        # this step's selection: the frontier read (ids, keys), how many it scanned, the positions it picked
-        self._scanned: tuple[list[int], list[bytes | None], int, list[int]] = ([], [], 0, [])
-        self._frontier_of: dict[int, list[tuple[int, bytes | None]]] = {}  # store event -> its frontier
+        self._head = SavedHead(view)  # the saved head of the GPU free queue (saved_head.py)
         self._held: dict[bytes, int] = {}  # key -> GPU block held for the next store event
         self._last_event_id: int | None = None  # our most recent store event
         self._steps = 0  # pick_stores calls (engine steps)
@@ -98,6 +110,15 @@ class LazyStorePolicy(StorePolicy):
         if self._evicted is not None:
             self._evicted.add(key)
 
+    def on_cpu_copy_dropped(self, key: bytes, evicted: bool = True) -> None:
+        """A block of the saved head holding this content is unsaved now: picked again at the next step."""
+        self._head.on_copy_dropped(key)
+
+    @property
+    def hears_cpu_copy_drops(self) -> bool:
+        """Under pressure: a block of the saved head whose copy the tier evicted must be saved again."""
+        return self._cpu_under_pressure
+
     @property
     def hears_cpu_evictions(self) -> bool:
         """Until the pressure starts: the evicted keys it counts then end with it."""
@@ -127,6 +148,7 @@ class LazyStorePolicy(StorePolicy):
         """The request now holds its GPU-hit blocks: under CPU pressure their CPU copies give way. (Not at
         lookup: a request that then fails to allocate leaves those blocks free, maybe at the frontier.)"""
         self._admit_alloc = max(self._admit_alloc, len(state.gpu_block_ids) - num_gpu_hit_blocks)
+        self._head.take(state.gpu_block_ids)  # its new blocks left the free queue's head, its GPU hits the queue
         if state.pending_hit is not None:  # a CPU hit, loaded first: its prompt's rest is allocated after
             self._pending += max(0, -(-state.request.num_tokens // self.view.block_size) - len(state.gpu_block_ids))
         if not num_gpu_hit_blocks or not self._cpu_under_pressure:
@@ -156,10 +178,11 @@ class LazyStorePolicy(StorePolicy):
         if not self._cpu_under_pressure:
             self._inclusive.on_scheduled(state, num_computed_tokens)
             return
-        num_blocks = len(state.gpu_block_ids)
-        if num_blocks == state.num_store_checked_blocks:
+        num_blocks, checked = len(state.gpu_block_ids), state.num_store_checked_blocks
+        if num_blocks == checked:
             return
         state.num_store_checked_blocks = num_blocks
+        self._head.take(state.gpu_block_ids[checked:])  # the blocks it took this step
         rest = -(-state.request.num_tokens // self.view.block_size) - num_blocks
         if rest > 0:
             self._pending += rest
@@ -191,6 +214,11 @@ class LazyStorePolicy(StorePolicy):
         bound = view.max_blocks_per_step
         need = num_cpu_hit_blocks + (rest if bound is None else min(rest, bound))
         if need <= 0:
+            return True
+        # Within the saved head, less what this step's running requests may have taken from it already
+        # (told at the metadata, after the lookups): nothing unsaved to evict, no read.
+        head = self._head
+        if not head.unsaved and need + state.num_gpu_hit_blocks + ceil(self._peak_alloc) <= len(head):
             return True
         cached, reserved = view.saved_key_maps()
         dead = view.is_dead if view.may_have_dead() else None
@@ -274,47 +302,36 @@ class LazyStorePolicy(StorePolicy):
         # allocate next step is exactly that; with more running, other allocations come first.
         span, self._deficit = (self._deficit if lone else 0), 0
         room = view.cpu_num_free_blocks() - len(picks.gpu_ids)
-        # Block by block from the head while the budget lasts: an unsaved block is picked (while the tier has
-        # room) at `pick_cost`, any other block costs 1 (frontier_scan.py walks the runs between unsaved ones).
-        num = max(0, ceil(budget)) + 64  # a prefix long enough unless picks cost little: then read more
-        while True:
-            ids, keys = view.gpu_frontier(num)
-            # (most keys read are cached: that check first; `None` is in neither map)
-            if dead is None:  # (the common case: no admission filter, one check less per block read)
-                candidates = [i for i, key in enumerate(keys)
-                              if key not in cached and key not in reserved and key is not None]
-            else:
-                candidates = [i for i, key in enumerate(keys) if key not in cached and key not in reserved
-                              and key is not None and not dead(key)]
-            taken = set(picked)
-            num_scanned, positions, short = scan_frontier(keys, candidates, budget, pick_cost, room, taken)
-            if not short or len(keys) < num:
-                break
-            num *= 2
-        for i in positions:
-            picks.gpu_ids.append(ids[i])
-            picks.keys.append(keys[i])  # type: ignore[arg-type]  # (a candidate is hashed)
-        for key in keys[:min(span, num_scanned)]:
-            if key is not None and (key in cached or key in reserved) and not (dead and dead(key)):
-                picks.refresh_keys.append(key)  # the deferred admission evicts it next: keep its copy
-        self._scanned = (ids, keys, num_scanned, positions)
+        # Block by block on from the saved head while the budget lasts: an unsaved block is picked (while the
+        # tier has room) at `pick_cost`, any other block costs 1 (frontier_scan.py walks the runs between
+        # unsaved ones). The blocks of the saved head cost 1 each without a read.
+        head = self._head
+        head.check_cursor()  # (the engine took the last block scanned: scan again from the head)
+        rest = budget - len(head)
+        if head.unsaved:  # (each still in the queue costs what it would cost the scan)
+            room, cost = head.save_again(picks, picked, room, pick_cost, cached, reserved, dead)
+            rest -= cost
+        if rest > 0:
+            head.scan(picks, picked, rest, pick_cost, room, cached, reserved, dead)
+        if span:
+            for key in view.gpu_frontier(span)[1]:
+                if key is not None and (key in cached or key in reserved) and not (dead and dead(key)):
+                    picks.refresh_keys.append(key)  # the deferred admission evicts it next: keep its copy
         return picks
 
     def on_stores_emitted(self, event_id: int | None, stored_gpu_ids: list[int]) -> None:
-        """Remember the frontier up to the last scanned block the event stores (a full CPU pool may have
-        cut the list): its order is restored when the store completes. O(blocks stored + that frontier)."""
-        (ids, keys, _, positions), self._scanned = self._scanned, ([], [], 0, [])
+        """Under pressure the stored blocks go back where they were picked (`stored_blocks_places`)."""
         self._last_event_id = event_id
-        if event_id is None:
-            return
-        position_of = {ids[i]: i for i in positions}  # the scanned blocks stored are among the picks
-        end = max((position_of[g] for g in stored_gpu_ids if g in position_of), default=-1)
-        if end >= 0:
-            self._frontier_of[event_id] = list(zip(ids[:end + 1], keys[:end + 1], strict=True))
+        self._head.remember(event_id if self._cpu_under_pressure else None, stored_gpu_ids)
 
-    def on_store_complete(self, event_id: int) -> list[tuple[int, bytes | None]]:
-        """Saved blocks went back to the head; restore the frontier's LRU order around them."""
-        return self._frontier_of.pop(event_id, None) or []
+    def stored_blocks_places(self, event_id: int) -> list[tuple[int | None, list[int]]] | None:
+        """Each block the scan picked goes back where it was, behind the block before it then, while that
+        one is still in the saved head; the others at the head (saved_head.py)."""
+        return self._head.places(event_id)
+
+    def on_store_complete(self, event_id: int) -> None:
+        """The stored blocks join the saved head."""
+        self._head.on_store_complete(event_id)
 
     def on_request_finished(self, state: RequestState) -> list[int]:
         """Blocks freed now are scanned only at the next step's metadata, after that step's allocations.

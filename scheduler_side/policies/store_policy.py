@@ -14,8 +14,9 @@ policy's own state and, where its docstring says so, the request's store cursor
    `on_stores_emitted(event_id, stored_gpu_ids)`;
    Before emitting the store, `lends_load_slots()`: may this step's stores be written into the slots of
    blocks this step's loads read (their CPU copies forgotten now rather than when the load completes)?
-4. completions: `on_load_complete(job)` -> forget the job's CPU copies?; `on_store_complete(event_id)` ->
-   free GPU blocks to put back at the head of the GPU free queue (`GpuPool.move_to_front`);
+4. completions: `on_load_complete(job)` -> forget the job's CPU copies?; `stored_blocks_places(event_id)` ->
+   where the stored GPU blocks go back into the free queue, then `on_store_complete(event_id)` once they
+   were freed;
 5. finish: `on_request_finished(state)` -> GPU blocks to hold (one reference each) until the next
    `pick_stores`, which lists them again in `release_gpu_ids`.
 At any point: `on_cpu_evicted(key)` when the tiers drop `key`'s copy to make room (not a copy given up): the CPU
@@ -67,9 +68,14 @@ class StorePolicyView(Protocol):
     def gpu_eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         """(gpu_block_id, key or None) of free GPU blocks from the eviction frontier on (stop before any
         change to the pool)."""
-    def gpu_frontier(self, num: int) -> tuple[list[int], list[bytes | None]]:
-        """Ids and keys (None: no key) of the first `num` free GPU blocks from the eviction frontier, fewer
-        when the queue is shorter (a snapshot: valid until the pool changes)."""
+    def gpu_frontier(self, num: int, after: int | None = None) -> tuple[list[int], list[bytes | None]]:
+        """Ids and keys (None: no key) of the first `num` free GPU blocks from the eviction frontier, or
+        behind the free block `after`, fewer when the queue is shorter (a snapshot: valid until the pool
+        changes)."""
+    def gpu_is_free(self, gpu_block_id: int) -> bool:
+        """The GPU block is in the engine's free queue now."""
+    def gpu_cached_block(self, key: bytes) -> int | None:
+        """A GPU block holding this content (free or not), None when the GPU has none."""
 
 
 @dataclass(slots=True)
@@ -128,6 +134,14 @@ class StorePolicy:
         """The tiers dropped `key`'s copy to make room for another (the CPU tier's LRU or ARC choice, or a
         write-back lower tier's eviction when that tier keeps the CPU's evictions)."""
 
+    def on_cpu_copy_dropped(self, key: bytes, evicted: bool) -> None:
+        """The CPU tier no longer has `key`'s copy: evicted to make room (whether a lower tier keeps it or
+        not) or forgotten (told only while `hears_cpu_copy_drops`)."""
+
+    @property
+    def hears_cpu_copy_drops(self) -> bool:
+        return False
+
     @property
     def hears_cpu_evictions(self) -> bool:
         """Whether `on_cpu_evicted` changes anything now (False: the scheduler may leave the CPU tier's
@@ -139,9 +153,14 @@ class StorePolicy:
         Their CPU copies are forgotten at once; the workers write the stores after the loads read them."""
         return False
 
-    def on_store_complete(self, event_id: int) -> list[tuple[int, bytes | None]]:
-        """Every rank finished the store. Returns free GPU blocks to put back at the head of the GPU queue."""
-        return []
+    def stored_blocks_places(self, event_id: int) -> list[tuple[int | None, list[int]]] | None:
+        """Every rank finished the store: where its GPU blocks go back into the free queue, as groups (a free
+        GPU block to put them behind, first listed nearest it, or None: the head), covering every block of
+        the event. None: at vLLM's place for them, or the head with `gpu_copy_worthless_after_store`."""
+        return None
+
+    def on_store_complete(self, event_id: int) -> None:
+        """Every rank finished the store and its GPU blocks were freed."""
 
     def on_request_finished(self, state: RequestState) -> list[int]:
         """The engine is done with the request. Returns its GPU blocks to hold until the next store event."""

@@ -25,6 +25,10 @@ class SchedulerStorePolicyView:
         self.block_size, self.group_id = block_size, group_id
         self.max_blocks_per_step, self.lazy_lookahead_blocks = max_blocks_per_step, lazy_lookahead_blocks
         self.num_gpu_blocks = num_gpu_blocks or cpu_pool.num_blocks
+        # the GPU pool's own methods (per block read or placed: no call of ours in between)
+        self.gpu_frontier = gpu_pool.frontier
+        self.gpu_is_free = gpu_pool.is_free
+        self.gpu_cached_block = gpu_pool.cached_block
 
     def is_saved(self, key: bytes) -> bool:
         return key in self._cached or key in self._reserved
@@ -46,6 +50,3 @@ class SchedulerStorePolicyView:
 
     def gpu_eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
         return self._gpu.eviction_candidates()
-
-    def gpu_frontier(self, num: int) -> tuple[list[int], list[bytes | None]]:
-        return self._gpu.frontier(num)

@@ -107,13 +107,18 @@ class BlockPool:
                 remove(block)
             block.ref_cnt += 1
 
-    def free(self, blocks: Iterable[Block], front: bool = False) -> None:
+    def free(self, blocks: Iterable[Block], front: bool = False, after: Block | None = None) -> None:
         """Drop one reference on each block; blocks reaching zero enter the free queue.
 
         By default at the tail (most recently used); with `front=True` at the head (evicted first), the
         first listed block ending up nearest the head (with `empty_first`, a cached block: before older
-        cached blocks, never ahead of empty ones).
+        cached blocks, never ahead of empty ones); with `after` (a free block; a pool without eviction
+        policy: the engine's GPU pool) right behind it, the first listed nearest it.
         """
+        queue = self.free_queue
+        if after is not None and not (isinstance(queue, FreeBlockQueue) and queue.contains(after)):
+            raise PoolError(f"free(after={after}) on a pool with {type(queue).__name__}, or behind a block "
+                            "that is not free (caller bug)")
         null_block = self.null_block
         released = []
         try:
@@ -127,7 +132,9 @@ class BlockPool:
                 if ref_cnt == 1:
                     released.append(block)
         finally:  # blocks already released enter the queue even when a later one is a caller bug
-            if front:
+            if after is not None:
+                queue.insert_after(after, released)  # type: ignore[attr-defined]  # (checked above)
+            elif front:
                 self.free_queue.prepend_n(released)
             else:
                 self.free_queue.append_n(released)

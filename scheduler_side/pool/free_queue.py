@@ -77,6 +77,14 @@ class FreeBlockQueue(EvictionPolicy):
                 raise RuntimeError("FreeBlockQueue: broken head sentinel (our bug)")
             self._link_run(blocks, first)
 
+    def insert_after(self, anchor: Block, blocks: list[Block]) -> None:
+        """Put `blocks` right behind `anchor` (a block in the queue), in list order."""
+        nxt = anchor.next
+        if nxt is None:
+            raise RuntimeError(f"FreeBlockQueue.insert_after: {anchor} is not in the free queue (our bug)")
+        if blocks:
+            self._link_run(blocks, nxt)
+
     def remove(self, block: Block) -> None:
         prev, nxt = block.prev, block.next  # (unlinked inline: per touched block)
         if prev is None or nxt is None:
@@ -106,6 +114,21 @@ class FreeBlockQueue(EvictionPolicy):
             nxt = node.next
             yield node
             node = nxt
+
+    def iter_after(self, block: Block | None) -> Iterator[Block]:
+        """Blocks behind `block` (a block in the queue) towards the tail; from the head when None."""
+        node = self._head.next if block is None else block.next
+        if block is not None and node is None:
+            raise RuntimeError(f"FreeBlockQueue.iter_after: {block} is not in the free queue (our bug)")
+        while node is not None and node is not self._tail:
+            nxt = node.next
+            yield node
+            node = nxt
+
+    @staticmethod
+    def contains(block: Block) -> bool:
+        """`block` is in this queue (a block is in at most one: its links are set only there)."""
+        return block.next is not None
 
     def _link_before(self, block: Block, anchor: Block) -> None:
         if block.prev is not None or block.next is not None:

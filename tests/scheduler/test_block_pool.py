@@ -38,6 +38,31 @@ def test_free_appends_at_tail_and_front_at_head():
     pool.check_integrity()
 
 
+def test_free_after_puts_blocks_behind_a_free_block_and_walks_on_from_it():
+    pool = BlockPool(7)
+    a, b, c = pool.allocate(3)
+    pool.free([a, c], after=pool.blocks[5])
+    assert ids(pool.free_queue) == [4, 5, 1, 3, 6]  # first listed nearest the anchor
+    queue = pool.free_queue
+    assert ids(queue.iter_after(pool.blocks[5])) == [1, 3, 6] and ids(queue.iter_after(None)) == ids(queue)
+    assert FreeBlockQueue.contains(pool.blocks[3]) and not FreeBlockQueue.contains(b)
+    with pytest.raises(RuntimeError, match="not in the free queue"):
+        list(queue.iter_after(b))
+    with pytest.raises(RuntimeError, match="not in the free queue"):
+        queue.insert_after(b, [])
+    with pytest.raises(PoolError, match="caller bug"):
+        pool.free([b], after=b)
+    assert b.ref_cnt == 1
+    pool.check_integrity()
+
+
+def test_free_after_is_refused_on_a_pool_with_an_eviction_policy():
+    pool = BlockPool(4, eviction="lru")
+    a, b = pool.allocate(2)
+    with pytest.raises(PoolError, match="caller bug"):
+        pool.free([a], after=pool.blocks[3])
+
+
 def test_touch_removes_from_middle_and_counts_refs():
     pool = BlockPool(5)
     blocks = pool.blocks

@@ -1,8 +1,8 @@
 """The lazy store policy in its frontier mode (under pressure), one rule per test through a scripted
 `StorePolicyView` (tests/lazy_view.py): when the mode starts (the first miss on content the CPU tier
 evicted) and what it changes, how far ahead of the GPU eviction frontier a step stores (the lookahead), which
-frontier blocks a step picks, the blocks it holds for a finishing request, and what a completed store gives
-back. The scheduler-level stories: test_lazy_policy.py; the admission window and deferrals:
+frontier blocks a step picks and how far it reads (the saved head: saved_head.py), the blocks it holds for a
+finishing request, and where a completed store's blocks go back. The scheduler-level stories: test_lazy_policy.py; the admission window and deferrals:
 test_lazy_policy_exact.py."""
 
 from __future__ import annotations
@@ -10,7 +10,17 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from helpers import FakeRequest, lazy_under_pressure
-from lazy_view import BS, ScriptedView, dead_key_view, hashed_keys, picks_per_step, state_of, unsaved
+from lazy_view import (
+    BS,
+    ScriptedView,
+    dead_key_view,
+    empty,
+    hashed_keys,
+    key,
+    picks_per_step,
+    state_of,
+    unsaved,
+)
 
 from offload_connector.hashing import with_group_id
 from scheduler_side.policies.lazy import LazyStorePolicy
@@ -150,14 +160,60 @@ def test_held_blocks_take_their_cpu_room_first():
     assert picks.gpu_ids == [10, 11, 1] and picks.release_gpu_ids == [10, 11]
 
 
-def test_a_completed_store_restores_the_frontier_up_to_its_last_stored_block():
-    """Found by mutation testing of scheduler_side/policies/lazy.py (docs/mutation.md)."""
-    frontier = unsaved(1, 3)
-    for event_id, stored, restored in ((1, [3], 3), (2, [2], 2), (3, [1], 1), (4, [], 0)):
-        policy = lazy_under_pressure(ScriptedView(lazy_lookahead_blocks=3, frontier=frontier))
-        assert policy.pick_stores().gpu_ids == [1, 2, 3]
-        policy.on_stores_emitted(event_id, stored)
-        assert policy.on_store_complete(event_id) == frontier[:restored], stored
+def test_the_next_step_scans_on_from_where_the_last_one_stopped():
+    """Blocks scanned and not picked stay the saved head: the next step reads only past them."""
+    view = ScriptedView(lazy_lookahead_blocks=3, frontier=empty(1, 2) + unsaved(3, 4))
+    policy = lazy_under_pressure(view)
+    assert policy.pick_stores().gpu_ids == [3]  # 1, 2 (no key) cost 1 each, 3 its pick
+    view.frontier = empty(1, 2) + unsaved(4, 3)  # 3 is being stored: out of the free queue
+    policy.on_stores_emitted(1, [3])
+    assert policy.pick_stores().gpu_ids == [4]  # 1, 2 are the saved head: only 1 of the budget is left
+    policy.on_stores_emitted(2, [4])
+
+
+def test_a_completed_store_joins_the_saved_head():
+    """Stored blocks come back to the head of the free queue, saved: they count against the next budget."""
+    view = ScriptedView(lazy_lookahead_blocks=3, frontier=empty(1, 1) + unsaved(2, 4))
+    policy = lazy_under_pressure(view)
+    assert policy.pick_stores().gpu_ids == [2, 3]
+    policy.on_stores_emitted(1, [2, 3])
+    view.frontier = [(2, key(2)), (3, key(3))] + empty(1, 1) + unsaved(4, 2)  # back at the head
+    view.saved |= {key(2), key(3)}
+    policy.on_store_complete(1)
+    assert policy.pick_stores().gpu_ids == []  # 2, 3 and 1: the whole budget is saved
+    policy.on_stores_emitted(None, [])
+
+
+def test_an_unsaved_block_left_for_want_of_room_is_scanned_again():
+    view = ScriptedView(lazy_lookahead_blocks=4, frontier=unsaved(1, 3), cpu_free=1)
+    policy = lazy_under_pressure(view)
+    assert policy.pick_stores().gpu_ids == [1]
+    policy.on_stores_emitted(1, [1])
+    view.frontier, view.saved = unsaved(2, 2), {key(1)}
+    assert policy.pick_stores().gpu_ids == [2]  # not past it: 2 was never part of the saved head
+    policy.on_stores_emitted(2, [2])
+
+
+def test_the_scan_starts_from_the_head_again_once_the_engine_took_its_last_block():
+    view = ScriptedView(lazy_lookahead_blocks=2, frontier=empty(1, 2) + unsaved(3, 2))
+    policy = lazy_under_pressure(view)
+    assert policy.pick_stores().gpu_ids == []
+    policy.on_stores_emitted(None, [])
+    view.frontier = unsaved(3, 2)  # the engine allocated 1 and 2 (a request the connector was not told of)
+    assert policy.pick_stores().gpu_ids == [3, 4]
+    policy.on_stores_emitted(1, [3, 4])
+
+
+def test_blocks_the_engine_allocates_leave_the_saved_head():
+    view = ScriptedView(lazy_lookahead_blocks=3, frontier=empty(1, 3) + unsaved(4, 3))
+    policy = lazy_under_pressure(view)
+    assert policy.pick_stores().gpu_ids == []
+    policy.on_stores_emitted(None, [])
+    state = state_of(2)
+    state.gpu_block_ids = [1, 2]  # the engine gave the request the two blocks at the head
+    policy.on_allocated(state, 0)
+    view.frontier = empty(3, 1) + unsaved(4, 3)
+    assert policy.pick_stores().gpu_ids == [4, 5]  # only 3 is left of the saved head
 
 
 # ---- what a finishing request leaves held -------------------------------------------------------------------
@@ -237,3 +293,57 @@ def test_a_held_block_that_died_meanwhile_is_released_not_stored() -> None:
     view.dead.add(with_group_id(raw[0]))  # e.g. its session closed before the next metadata
     picks = policy.pick_stores()
     assert picks.gpu_ids == [6] and sorted(picks.release_gpu_ids) == [5, 6]
+
+
+def test_a_block_whose_cpu_copy_the_tier_dropped_leaves_the_saved_head_and_is_picked_again():
+    view = ScriptedView(lazy_lookahead_blocks=3, frontier=unsaved(1, 5))
+    view.saved = {key(1), key(2), key(3)}
+    policy = lazy_under_pressure(view)
+    assert policy.pick_stores().gpu_ids == []  # 1, 2, 3 saved: the saved head
+    policy.on_stores_emitted(None, [])
+    view.saved.discard(key(2))
+    policy.on_cpu_copy_dropped(key(2))
+    policy.on_cpu_copy_dropped(key(9))  # no GPU block holds it: nothing to do
+    assert policy.pick_stores().gpu_ids == [2]  # and the scan charges it as it would: nothing further
+    policy.on_stores_emitted(1, [2])
+
+
+def test_the_cursor_blocks_dropped_copy_starts_the_scan_from_the_head():
+    view = ScriptedView(lazy_lookahead_blocks=3, frontier=unsaved(1, 5))
+    view.saved = {key(1), key(2), key(3)}
+    policy = lazy_under_pressure(view)
+    assert policy.pick_stores().gpu_ids == []
+    policy.on_stores_emitted(None, [])
+    view.saved.discard(key(3))
+    policy.on_cpu_copy_dropped(key(3))
+    assert policy.pick_stores().gpu_ids == [3]
+    policy.on_stores_emitted(1, [3])
+
+
+def test_stored_blocks_go_back_behind_the_block_before_them_while_it_is_still_saved():
+    view = ScriptedView(lazy_lookahead_blocks=6, frontier=empty(1, 1) + unsaved(2, 2) + empty(4, 1) + unsaved(5, 2))
+    policy = lazy_under_pressure(view)
+    assert policy.pick_stores().gpu_ids == [2, 3, 5, 6]
+    policy.on_stores_emitted(1, [2, 3, 5, 6])
+    view.frontier = empty(1, 1) + empty(4, 1)  # the picks are out of the queue while they are stored
+    assert policy.stored_blocks_places(1) == [(1, [2, 3]), (4, [5, 6])]
+    view.frontier = [(1, None), (2, key(2)), (3, key(3)), (4, None), (5, key(5)), (6, key(6))]
+    view.saved |= {key(2), key(3), key(5), key(6)}
+    policy.on_store_complete(1)
+    assert policy.pick_stores().gpu_ids == []  # all six are the saved head now, 6 (behind the cursor) its end
+    policy.on_stores_emitted(None, [])
+    view.frontier += unsaved(7, 1)
+    policy.view.lazy_lookahead_blocks = 7
+    assert policy.pick_stores().gpu_ids == [7]  # read on from 6
+
+
+def test_a_stored_block_whose_neighbour_the_engine_took_goes_to_the_head():
+    view = ScriptedView(lazy_lookahead_blocks=3, frontier=empty(1, 1) + unsaved(2, 1) + empty(3, 1))
+    policy = lazy_under_pressure(view)
+    assert policy.pick_stores().gpu_ids == [2]
+    policy.on_stores_emitted(1, [2])
+    state = state_of(1)
+    state.gpu_block_ids = [1]
+    policy.on_allocated(state, 0)  # the engine took 1
+    view.frontier = empty(3, 1)
+    assert policy.stored_blocks_places(1) == [(None, [2])]

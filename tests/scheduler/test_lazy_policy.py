@@ -358,3 +358,22 @@ def test_lazy_holds_nothing_of_a_request_finished_before_its_first_step():
     _, _, ids = admit(sched, gpu, a)  # the GPU pool is full now: the lazy policy would hold finished blocks
     finish(sched, gpu, a, ids)  # ... but A never ran: none of its blocks holds KV
     assert sched.policy.num_held_blocks == 0 and sched.is_idle()
+
+
+def test_a_saved_block_whose_cpu_copy_is_evicted_is_stored_again_before_the_gpu_evicts_it():
+    """The saved head of the GPU free queue is not read again each step: a block in it whose CPU copy the
+    tier evicts must still be stored again (else the GPU evicts its last copy)."""
+    sched, gpu = make_scheduler(num_gpu_blocks=9, num_cpu_blocks=20, block_size=BS,
+                                store_policy="lazy", lazy_lookahead_blocks=8)
+    put_under_pressure(sched)
+    a_ids = compute_and_free(sched, gpu, FakeRequest("A", list(range(8)), BS))  # 2 full blocks
+    meta = sched.build_connector_meta([])
+    assert sorted(meta.store_gpu_blocks) == sorted(a_ids[:2])  # within the lookahead: saved
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    assert sched.build_connector_meta([]).store_event is None  # the saved head: nothing new to read
+    key = with_group_id(FakeRequest("A", list(range(8)), BS).block_hashes[1])
+    sched.cpu_pool.discard(sched.cpu_pool.cached[key])  # the tier drops one copy
+    meta = sched.build_connector_meta([])
+    assert meta.store_gpu_blocks == [a_ids[1]]
+    sched.update_connector_output(report(completed_store_events=[meta.store_event]))
+    sched.check_integrity()

@@ -32,7 +32,7 @@ NUM_BLOCKS = 10  # block 0 is vLLM's null block; 1..9 start in the free queue in
 
 # Everything of vLLM's the adapter may touch, by owner.
 CONTRACT = {
-    "BlockPool": ("blocks", "free_blocks", "get_num_free_blocks", "free_block_queue"),
+    "BlockPool": ("blocks", "free_blocks", "get_num_free_blocks", "free_block_queue", "cached_block_hash_to_block"),
     "FreeKVCacheBlockQueue": ("remove", "prepend_n", "iter_blocks_after"),
     "KVCacheBlock": ("block_id", "ref_cnt", "block_hash", "is_null"),
 }
@@ -110,11 +110,13 @@ def test_contract_adapter_uses_nothing_else() -> None:
     pool = make_pool()
     run_request(pool, 2)
     view = VllmGpuPool(ContractOnly(pool, "BlockPool"))
-    view.touch([3, 1])
+    view.touch([3, 1, 5])
     view.free([3], front=True)
     view.free([1])
+    view.free([5], after=3)  # (links outside the contract: at the head instead)
     frontier = list(view.eviction_candidates())
-    view.move_to_front(frontier[:3])
+    assert view.frontier(2, after=frontier[0][0])[0] == [i for i, _ in frontier[1:3]]
+    assert view.is_free(5) and view.cached_block(key(2)) == 2 and view.cached_block(key(99)) is None
     assert view.num_free_blocks() == NUM_BLOCKS - 1
     check_pool(pool)
 
@@ -130,6 +132,28 @@ def test_contract_touch_is_vllm_touch_minus_the_access_report() -> None:
     VllmGpuPool(pools[1]).touch(ids)
     assert snapshot(pools[0]) == snapshot(pools[1])
     check_pool(pools[1])
+
+
+def test_free_after_links_blocks_behind_a_free_block_as_prepend_n_does_at_the_head() -> None:
+    """`free(after=...)` writes vLLM's free-list links itself (compat.free_queue_inserter): the queue it
+    leaves must be the one vLLM's public `remove` and `prepend_n` give for the same order, and vLLM's own
+    invariants must hold."""
+    pools = [make_pool(), make_pool()]
+    for pool in pools:
+        run_request(pool, 4)  # 1..4 hashed at the tail: 5 6 7 8 9 4 3 2 1
+    ours = VllmGpuPool(pools[0])
+    ours.touch([6, 2])
+    ours.free([6, 2], after=9)
+    assert queue_ids(pools[0]) == [5, 7, 8, 9, 6, 2, 4, 3, 1]
+    # the same order through vLLM's public API only: everything behind 9 off, then back in order
+    queue = pools[1].free_block_queue
+    tail = [b for b in queue.get_all_free_blocks() if b.block_id in (4, 3, 1, 6, 2)]
+    for block in tail:
+        queue.remove(block)
+    queue.append_n([pools[1].blocks[i] for i in (6, 2, 4, 3, 1)])
+    assert snapshot(pools[0]) == snapshot(pools[1])
+    check_pool(pools[0])
+    assert free_queue_reader(pools[0])(9, None)[0] == queue_ids(pools[0])
 
 
 # ---------------------------------------------------------------- metrics (regression)
@@ -273,42 +297,21 @@ def test_frontier_walks_the_free_list_links_and_reads_what_the_public_walk_reads
             n = rng.randint(1, len(held))
             view.free(held[:n], front=True)
             del held[:n]
-        else:
-            ids, keys = view.frontier(rng.randint(0, 20))
-            view.move_to_front(list(zip(ids, keys, strict=True))[::-1])
+        elif held:  # our free behind a free block (the free-list links written by compat)
+            free = public_frontier(pool, 64)[0]
+            if free:
+                n = rng.randint(1, len(held))
+                view.free(held[:n], after=rng.choice(free))
+                del held[:n]
         num = rng.randint(0, 70)
         assert view.frontier(num) == public_frontier(pool, num) == public(num)
+        free = public_frontier(pool, 64)[0]
+        if free:
+            after = rng.choice(free)
+            walk = pool.free_block_queue.iter_blocks_after(pool.blocks[after])
+            expected = [b.block_id for b, _ in zip(walk, range(num), strict=False)]
+            assert view.frontier(num, after)[0] == expected == public(num, pool.blocks[after])[0]
         check_pool(pool)
-
-
-def test_move_to_front_restores_a_frontier_and_skips_held_or_rehashed_blocks() -> None:
-    pool = make_pool()
-    view = VllmGpuPool(pool)
-    a = run_request(pool, 3, first_hash=1)  # queue: the six unused blocks, then a[2] a[1] a[0]
-    frontier = list(view.eviction_candidates())[-3:]
-    assert frontier == [(a[2], key(3)), (a[1], key(2)), (a[0], key(1))]
-    # 1. The frontier goes back to the head in its order.
-    view.move_to_front(frontier)
-    assert queue_ids(pool)[:3] == [a[2], a[1], a[0]]
-    # 2. A block held now (by us or the engine) is skipped.
-    view.touch([a[1]])
-    view.move_to_front(frontier[::-1])
-    assert queue_ids(pool)[:2] == [a[0], a[2]] and a[1] not in queue_ids(pool)
-    view.free([a[1]])
-    # 3. A block evicted and reused for other content since it was listed is skipped.
-    before = queue_ids(pool)
-    reused = pool.get_new_blocks(pool.get_num_free_blocks())  # the engine drains the queue ...
-    pool.cache_full_blocks(SimpleNamespace(block_hashes=[bytes([7 + i]) * 32 for i in range(len(reused))]),
-                           reused, 0, len(reused), BS, 0)
-    pool.free_blocks(reused)  # ... and frees everything again, rehashed
-    after = queue_ids(pool)
-    view.move_to_front([(i, k) for i, k in frontier])  # stale keys: nothing moves
-    assert queue_ids(pool) == after and set(after) == set(before)
-    # 4. Listed twice moves once; the null block never moves.
-    fresh = list(view.eviction_candidates())[-1]
-    view.move_to_front([fresh, fresh, (0, None)])
-    assert queue_ids(pool)[0] == fresh[0] and queue_ids(pool).count(fresh[0]) == 1
-    check_pool(pool)
 
 
 # ---------------------------------------------------------------- misuse changes nothing
@@ -320,6 +323,8 @@ def test_move_to_front_restores_a_frontier_and_skips_held_or_rehashed_blocks() -
     lambda view: view.free([3]),  # never touched: ref_cnt 0
     lambda view: view.free([2, 3], front=True),  # 2 is ours, 3 is not
     lambda view: view.free([2, 2]),  # one reference, two frees
+    lambda view: view.free([2], after=2),  # behind a block that is not free
+    lambda view: view.frontier(3, after=2),
 ])
 def test_misuse_is_refused_before_anything_changes(call) -> None:
     pool = make_pool()

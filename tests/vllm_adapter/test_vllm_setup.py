@@ -249,13 +249,20 @@ def test_gpu_pool_view_on_vllm_block_pool() -> None:
     assert 2 not in [i for i, _ in view.eviction_candidates()]
     pool.free_blocks([pool.blocks[2]])
     assert view.num_free_blocks() == 7
-    # 4. move_to_front restores a frontier order; held blocks and changed hashes stay put.
-    view.move_to_front([(4, None), (3, None), (1, b"not-its-hash")])
-    assert [i for i, _ in view.eviction_candidates()][:3] == [4, 3, 2]  # 2 came back unhashed: head
-    view.touch([7])
-    view.move_to_front([(7, None)])
-    assert 7 not in [i for i, _ in view.eviction_candidates()]
-    view.free([7])
+    assert [i for i, _ in view.eviction_candidates()] == [2, 5, 6, 1, 3, 4, 7]  # 2 came back unhashed: head
+    # 4. free(after=...) puts the blocks reaching zero right behind a free block, first listed first; the
+    # frontier reads on from a free block.
+    view.touch([7, 4])
+    assert not view.is_free(7) and view.is_free(1)
+    view.free([7, 4], after=1)
+    assert [i for i, _ in view.eviction_candidates()] == [2, 5, 6, 1, 7, 4, 3]
+    assert view.frontier(2, after=1)[0] == [7, 4] and view.frontier(9, after=3)[0] == []
+    view.touch([4])
+    with pytest.raises(GpuPoolError):
+        view.frontier(1, after=4)  # not free
+    with pytest.raises(GpuPoolError):
+        view.free([7], after=4)
+    view.free([4])
     # 5. Misuse is refused before anything changes.
     with pytest.raises(GpuPoolError):
         view.free([3])
