@@ -19,10 +19,13 @@ public `remove` when its count is zero and adds one to `ref_cnt`. `BlockPool` ha
 that; `tests/vllm_adapter/test_vllm_gpu_pool.py` pins the equivalence against the installed vLLM.
 
 Only public vLLM API (the contract, checked by that test; vLLM 0.32): `BlockPool.blocks`, `free_blocks`,
-`get_num_free_blocks`, `free_block_queue` with `remove`, `prepend_n` and `iter_blocks_after`, and a
-block's `block_id`, `ref_cnt`, `block_hash` and `is_null`; except `frontier`, which reads the free list's
-links through `compat.free_queue_reader` (the same blocks as `iter_blocks_after`, faster). No free-list link
-is written here. Imports nothing from vLLM at module level.
+`get_num_free_blocks`, `free_block_queue` with `remove`, `prepend_n` and `iter_blocks_after`,
+`cached_block_hash_to_block.get_one_block`, and a block's `block_id`, `ref_cnt`, `block_hash` and
+`is_null`; except two calls in compat.py: `frontier` reads the free list's links (`free_queue_reader`, the
+same blocks as `iter_blocks_after`, faster), and `free(after=...)` writes them behind a given block as
+vLLM's `prepend_n` writes them at the head (`free_queue_inserter`; where vLLM's queue lacks those links,
+at the head). Both are pinned against vLLM's public walk and `prepend_n`/`append_n` by that test. Imports
+nothing from vLLM at module level.
 """
 
 from __future__ import annotations
