@@ -346,18 +346,17 @@ class LazyStorePolicy(StorePolicy):
         if view.gpu_num_free_blocks() >= max(self.lookahead, self._demand) or room <= 0:
             return []
         n = state.num_computed_tokens // view.block_size
-        held, suffix, ids = self._held, self._suffix, []
+        held, suffix = self._held, self._suffix
         cached, reserved = view.saved_key_maps()
-        dead = view.is_dead if view.may_have_dead() else None
-        for h, gpu_id in zip(state.request.block_hashes[:n], state.gpu_block_ids[:n], strict=False):  # shorter
-            if len(ids) >= room:
-                break
-            key = h + suffix  # with_group_id, inlined (per block)
-            if gpu_id == 0 or key in held or key in cached or key in reserved or (dead and dead(key)):
-                continue
-            held[key] = gpu_id
-            ids.append(gpu_id)
-        return ids
+        # (comprehensions: most of a finishing request's blocks are saved already)
+        unsaved = [(key, gpu_id) for key, gpu_id in zip([h + suffix for h in state.request.block_hashes[:n]],
+                                                        state.gpu_block_ids[:n], strict=False)  # (shorter)
+                   if gpu_id and key not in cached and key not in reserved and key not in held]
+        if view.may_have_dead():
+            unsaved = [(key, gpu_id) for key, gpu_id in unsaved if not view.is_dead(key)]
+        del unsaved[room:]
+        held.update(unsaved)
+        return [gpu_id for _, gpu_id in unsaved]
 
     @property
     def num_held_blocks(self) -> int:
