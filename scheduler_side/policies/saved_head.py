@@ -166,16 +166,14 @@ class SavedHead:
         return places
 
     def on_store_complete(self, event_id: int) -> None:
-        """The event's blocks nobody else holds are back in the free queue, saved, where `places` put them
-        (at the head if it was not asked): they join the saved head, and those put behind the cursor move it
-        to the last of them."""
-        stored = self._stored_of.pop(event_id, None)
+        """The event's blocks nobody else holds are back in the free queue, saved, where `places` put them:
+        they join the saved head, and those put behind the cursor move it to the last of them. Blocks not
+        placed by `places` (a failed store: at vLLM's place, unsaved) do not join."""
+        self._stored_of.pop(event_id, None)
         (placed_id, places), self._placed = self._placed, (None, [])
-        if not stored or self.cursor is None:
+        if placed_id != event_id or self.cursor is None:
             return
         is_free, blocks, cursor = self.view.gpu_is_free, self.blocks, self.cursor
-        if placed_id != event_id:
-            places = [(None, [gpu_id for gpu_id, _ in stored])]
         for anchor, gpu_ids in places:
             released = [gpu_id for gpu_id in gpu_ids if is_free(gpu_id)]
             blocks.update(released)

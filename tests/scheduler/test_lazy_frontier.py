@@ -179,9 +179,21 @@ def test_a_completed_store_joins_the_saved_head():
     policy.on_stores_emitted(1, [2, 3])
     view.frontier = [(2, key(2)), (3, key(3))] + empty(1, 1) + unsaved(4, 2)  # back at the head
     view.saved |= {key(2), key(3)}
+    assert policy.stored_blocks_places(1) == [(1, [2, 3])]  # (the scheduler asks before it frees them)
     policy.on_store_complete(1)
     assert policy.pick_stores().gpu_ids == []  # 2, 3 and 1: the whole budget is saved
     policy.on_stores_emitted(None, [])
+
+
+def test_a_failed_stores_blocks_do_not_join_the_saved_head():
+    """A failed store's blocks go back to vLLM's place for them, unsaved (the scheduler asks no places)."""
+    view = ScriptedView(lazy_lookahead_blocks=3, frontier=empty(1, 1) + unsaved(2, 4))
+    policy = lazy_under_pressure(view)
+    assert policy.pick_stores().gpu_ids == [2, 3]
+    policy.on_stores_emitted(1, [2, 3])
+    view.frontier = empty(1, 1) + unsaved(4, 2) + unsaved(2, 2)  # at the tail
+    policy.on_store_complete(1)
+    assert policy.pick_stores().gpu_ids == [4, 5]  # only 1 is saved: the budget reaches on past it
 
 
 def test_an_unsaved_block_left_for_want_of_room_is_scanned_again():
