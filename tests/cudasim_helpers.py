@@ -13,7 +13,8 @@ from offload_connector.fake_engine.workload import random_workload, run_workload
 from offload_connector.metadata import TransferMetadata
 from worker_side import OffloadWorker
 from worker_side.backends.cuda.backend import CudaBackend
-from worker_side.testing.cuda_sim import SCHEDULES, SimCompute, SimCudaRuntime
+from worker_side.testing.cuda_sim import SCHEDULES, SimCudaRuntime
+from worker_side.testing.sim_compute import SimCompute
 
 
 @dataclass

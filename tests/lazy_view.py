@@ -57,9 +57,6 @@ class ScriptedView:
     def gpu_num_free_blocks(self) -> int:
         return self.gpu_free
 
-    def gpu_eviction_candidates(self):
-        return iter(self.frontier)
-
     def gpu_frontier(self, num: int, after: int | None = None):
         start = 0 if after is None else 1 + [gpu_id for gpu_id, _ in self.frontier].index(after)
         head = self.frontier[start:start + num]

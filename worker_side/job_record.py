@@ -2,16 +2,18 @@
 
 A record lives from `OffloadWorker._submit` until the backend reports the job (or, for a load past the
 deadline, until its late copy ends: `expired`). `failed_requests` maps a load's failed GPU blocks back to the
-requests that own them, so only those recompute.
+requests that own them, so only those recompute; `expire_loads` reports the loads past the deadline.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from offload_connector.metadata import WorkerReport
 from worker_side.backends.base import JobKind
 from worker_side.tiers.base import TierIO
 
@@ -42,3 +44,23 @@ def failed_requests(rec: JobRecord, failed_dst_ids: Sequence[int]) -> list[str]:
             out.append(req_id)
         start += count
     return out
+
+
+def expire_loads(records: Iterable[JobRecord], timeout_s: float, report: WorkerReport) -> int:
+    """Report each load job older than `timeout_s` as failed whole, once (its requests finished, every GPU
+    block failed, its event expired); mark it expired. Returns how many expired. O(jobs in flight)."""
+    waiting = [rec for rec in records if rec.kind == "load" and not rec.expired]
+    if not waiting:
+        return 0  # (no clock reading)
+    cutoff, expired = time.perf_counter() - timeout_s, 0
+    for rec in waiting:
+        if rec.submitted_at > cutoff:
+            continue
+        rec.expired = True
+        expired += 1
+        report.expired_load_events.append(rec.event_id)
+        report.finished_load_reqs.extend(rec.load_reqs)
+        report.failed_load_reqs.extend(rec.load_reqs)
+        if rec.load_dst is not None:
+            report.failed_load_gpu_blocks.extend(int(i) for i in rec.load_dst)
+    return expired

@@ -40,7 +40,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from array import array
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -57,7 +56,8 @@ from worker_side.block_layout import BLOCK_FIRST, TensorBlockView, tensor_block_
 from worker_side.errors import LayoutError, WorkerClosedError, WorkerInvariantError
 from worker_side.host_memory import allocate_host_buffer
 from worker_side.host_pool import HostPool
-from worker_side.job_record import JobRecord, failed_requests
+from worker_side.job_ids import IdChecks
+from worker_side.job_record import JobRecord, expire_loads, failed_requests
 from worker_side.load_reads import LoadReads
 from worker_side.shared_pool import SharedPoolSpec
 from worker_side.tiers.base import TierIO
@@ -89,7 +89,7 @@ class OffloadWorker:
         self._load_reads = LoadReads(0)  # the host blocks the load jobs in flight read (sized at registration)
         self._loads_this_step: list[int] = []
         self._instant: list[JobResult] = []  # jobs with no blocks: finished at submission
-        self._scratch: dict[int, np.ndarray] = {}  # per id range: the duplicate check's scratch array
+        self._ids = IdChecks()  # the metadata's block ids, checked per job (job_ids.py)
         self._closed = False
         self.load_timeout_s = config.transfer.load_timeout_s  # None: loads are waited for forever
         self.num_load_timeouts = 0  # load jobs given up on (expired), since start
@@ -190,7 +190,7 @@ class OffloadWorker:
         for ops in tiers:
             ids = np.asarray(ops.fetch_cpu_blocks, np.int64)
             if len(ids) != len(ops.fetch_keys) or (len(ids) and (ids.min() < 1 or ids.max() >= limit)) \
-                    or self._has_duplicates(ids, limit):
+                    or self._ids.has_duplicates(ids, limit):
                 raise WorkerInvariantError(f"{ops.tier} fetch event {ops.fetch_event}: CPU blocks {ids.tolist()[:32]} "
                                            f"must be distinct, in [1, {limit}), one per key (scheduler bug)")
         for ops, io in zip(tiers, ios, strict=True):
@@ -242,30 +242,9 @@ class OffloadWorker:
                      ) -> tuple[np.ndarray, np.ndarray]:
         if self._closed:
             raise WorkerClosedError(f"{kind} event {event_id} after shutdown()")
-        pool = self._require_pool()
-        if len(src) != len(dst):
-            raise WorkerInvariantError(f"{kind} event {event_id}: {len(src)} source vs {len(dst)} destination "
-                                       "block ids (scheduler bug)")
-        src_a, dst_a = _id_array(src), _id_array(dst)
-        limits = (pool.num_blocks, self._num_gpu_blocks) if kind == "load" else (self._num_gpu_blocks, pool.num_blocks)
-        for ids, limit, what in ((src_a, limits[0], "source"), (dst_a, limits[1], "destination")):
-            if len(ids) and (ids.min() < 1 or ids.max() >= limit):
-                bad = ids[(ids < 1) | (ids >= limit)]
-                raise WorkerInvariantError(f"{kind} event {event_id}: {what} block ids {bad[:8].tolist()} outside "
-                                           f"[1, {limit}) (block 0 is the null block; scheduler bug)")
-        if self._has_duplicates(dst_a, limits[1]):
-            raise WorkerInvariantError(f"{kind} event {event_id}: a destination block appears twice in "
-                                       f"{dst_a.tolist()[:32]} (scheduler bug)")
-        return src_a, dst_a
-
-    def _has_duplicates(self, ids: np.ndarray, limit: int) -> bool:
-        """O(n) without sorting: write each id's position into a scratch array indexed by id, read it back."""
-        scratch = self._scratch.get(limit)
-        if scratch is None:
-            scratch = self._scratch[limit] = np.zeros(limit, np.int64)
-        positions = np.arange(len(ids))
-        scratch[ids] = positions
-        return bool((scratch[ids] != positions).any())
+        num_cpu, num_gpu = self._require_pool().num_blocks, self._num_gpu_blocks
+        limits = (num_cpu, num_gpu) if kind == "load" else (num_gpu, num_cpu)
+        return self._ids.checked(kind, event_id, src, dst, *limits)
 
     def _submit(self, kind: JobKind, event_id: int, src: np.ndarray, dst: np.ndarray,
                 load_reqs: tuple[str, ...], after: tuple[int, ...] = ()) -> int:
@@ -324,7 +303,8 @@ class OffloadWorker:
                         io.write(cpu, keys)
             else:
                 report.failed_store_events.append(rec.event_id)
-        self._expire_loads(report)
+        if self.load_timeout_s is not None:
+            self.num_load_timeouts += expire_loads(self._jobs.values(), self.load_timeout_s, report)
         if self.tier_ios:
             report.tiers = [t for t in (io.take_report() for io in self.tier_ios.values()) if not t.is_empty]
         return report
@@ -335,25 +315,6 @@ class OffloadWorker:
             return None
         first = min(self._jobs[j].submitted_at for j in job_ids)
         return max(0.0, first + self.load_timeout_s - time.perf_counter())
-
-    def _expire_loads(self, report: WorkerReport) -> None:
-        """Report each load job past the deadline as failed whole, once; mark it expired. O(jobs in flight)."""
-        if self.load_timeout_s is None:
-            return
-        waiting = [rec for rec in self._jobs.values() if rec.kind == "load" and not rec.expired]
-        if not waiting:
-            return  # (no clock reading)
-        cutoff = time.perf_counter() - self.load_timeout_s
-        for rec in waiting:
-            if rec.submitted_at > cutoff:
-                continue
-            rec.expired = True
-            self.num_load_timeouts += 1
-            report.expired_load_events.append(rec.event_id)
-            report.finished_load_reqs.extend(rec.load_reqs)
-            report.failed_load_reqs.extend(rec.load_reqs)
-            if rec.load_dst is not None:
-                report.failed_load_gpu_blocks.extend(int(i) for i in rec.load_dst)
 
     def wait_all(self) -> None:
         """Block until every submitted job has finished (results stay queued for get_finished); with the
@@ -373,11 +334,3 @@ class OffloadWorker:
         for io in self.tier_ios.values():
             io.close()
 
-
-def _id_array(ids: Sequence[int]) -> np.ndarray:
-    """`ids` as int64. The metadata's lists go through `array('q')`, about a third faster than `np.asarray` at
-    hundreds of ids (no numpy type discovery per item); a float raises TypeError where np.asarray would
-    truncate it."""
-    if isinstance(ids, list):
-        return np.frombuffer(array("q", ids), np.int64)
-    return np.asarray(ids, np.int64)

@@ -16,7 +16,7 @@ head: a TP 2 engine's rank 1 holds exactly the upper heads of a TP 1 engine's bl
 shares blocks between them, per head). The connector counts each event once every rank reported it, and a
 load lets its request resume once every rank finished it (vLLM's aggregation).
 `compute` is where the forward runs: at once on the host (default), or on a simulated GPU's compute stream
-(`worker_side.testing.cuda_sim.SimCompute`, with a `CudaBackend` over the same simulator), where the engine never
+(`worker_side.testing.sim_compute.SimCompute`, with a `CudaBackend` over the same simulator), where the engine never
 waits for the forward, as with vLLM's async scheduling: transfers are ordered by their fences alone.
 
 `drain()` runs empty connector steps until every transfer is done and applied (and the lower tiers'

@@ -14,7 +14,7 @@ queue runs it at once, one piece per request, in scheduling order, when it runs 
 Writes before reads is a real forward's order: each layer stores the batch's new K/V, then attends.
 On the host it samples the next token (a function of the prefix, not of the KV) of each request whose
 known tokens are all computed. The compute queue (`ImmediateCompute` by default) runs the work at once;
-`worker_side.testing.cuda_sim.SimCompute` runs it on a simulated GPU's compute stream when the simulator decides,
+`worker_side.testing.sim_compute.SimCompute` runs it on a simulated GPU's compute stream when the simulator decides,
 so a transfer not fenced against the forward reads or writes KV at the wrong moment and the check fails.
 The work captures everything it needs at launch (slots, copies of the expected values), never a request.
 Hybrid mode (`engine.sliding_window`): even layers are full attention (KV-cache group 0), odd layers attend

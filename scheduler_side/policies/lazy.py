@@ -55,6 +55,7 @@ from math import ceil
 
 from offload_connector.hashing import group_suffix, with_group_id
 from scheduler_side.policies.evicted_keys import EvictedKeys
+from scheduler_side.policies.finish_holds import FinishHolds
 from scheduler_side.policies.saved_head import SavedHead
 from scheduler_side.policies.store_policy import EagerStorePolicy, StorePicks, StorePolicy, StorePolicyView
 from scheduler_side.request_state import LoadJob, RequestState
@@ -73,7 +74,7 @@ class LazyStorePolicy(StorePolicy):
         self._peak_alloc = 0.0  # decaying peak of per-step allocations
         self._admit_mean = 0.0  # mean largest admission of steps that ran at most one request (EMA)
         self._head = SavedHead(view)  # the saved head of the GPU free queue (saved_head.py)
-        self._held: dict[bytes, int] = {}  # key -> GPU block held for the next store event
+        self._holds = FinishHolds(view)  # a finishing request's blocks held for the next store (finish_holds.py)
         self._last_event_id: int | None = None  # our most recent store event
         self._steps = 0  # pick_stores calls (engine steps)
         # Pressure: a lookup missed on content dropped within the last `num_gpu_blocks` drops (`_evicted`):
@@ -282,14 +283,9 @@ class LazyStorePolicy(StorePolicy):
         if not self._cpu_under_pressure:
             return inclusive  # (nothing is held: holds start under pressure, which lasts)
         view = self.view
-        held, self._held = self._held, {}
-        picks = StorePicks(release_gpu_ids=list(held.values()))  # every hold ends with this event
         cached, reserved = view.saved_key_maps()
         dead = view.is_dead if view.may_have_dead() else None
-        for key, gpu_id in held.items():  # (one may have reached the CPU since: a lower tier's fetch)
-            if key not in cached and key not in reserved and not (dead and dead(key)):
-                picks.gpu_ids.append(gpu_id)
-                picks.keys.append(key)
+        picks = self._holds.release(cached, reserved, dead)  # every hold ends with this event
         picked = set(picks.keys)
         # A picked block leaves the free queue while its store is in flight. If that outlasts the next
         # step's allocations, those allocations reach past it, so a pick must not count against the
@@ -342,22 +338,11 @@ class LazyStorePolicy(StorePolicy):
         if not self._cpu_under_pressure:
             return []  # its computed blocks are stored or being stored
         view = self.view
-        room = view.cpu_num_free_blocks() - len(self._held)
+        room = view.cpu_num_free_blocks() - len(self._holds)
         if view.gpu_num_free_blocks() >= max(self.lookahead, self._demand) or room <= 0:
             return []
-        n = state.num_computed_tokens // view.block_size
-        held, suffix = self._held, self._suffix
-        cached, reserved = view.saved_key_maps()
-        # (comprehensions: most of a finishing request's blocks are saved already)
-        unsaved = [(key, gpu_id) for key, gpu_id in zip([h + suffix for h in state.request.block_hashes[:n]],
-                                                        state.gpu_block_ids[:n], strict=False)  # (shorter)
-                   if gpu_id and key not in cached and key not in reserved and key not in held]
-        if view.may_have_dead():
-            unsaved = [(key, gpu_id) for key, gpu_id in unsaved if not view.is_dead(key)]
-        del unsaved[room:]
-        held.update(unsaved)
-        return [gpu_id for _, gpu_id in unsaved]
+        return self._holds.hold(state, room)
 
     @property
     def num_held_blocks(self) -> int:
-        return len(self._held)
+        return len(self._holds)

@@ -30,7 +30,7 @@ Imports nothing from the scheduler (its types come from request_state and interf
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -65,9 +65,6 @@ class StorePolicyView(Protocol):
     def is_store_outstanding(self, event_id: int) -> bool: ...
     def cpu_num_free_blocks(self) -> int: ...
     def gpu_num_free_blocks(self) -> int: ...
-    def gpu_eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
-        """(gpu_block_id, key or None) of free GPU blocks from the eviction frontier on (stop before any
-        change to the pool)."""
     def gpu_frontier(self, num: int, after: int | None = None) -> tuple[list[int], list[bytes | None]]:
         """Ids and keys (None: no key) of the first `num` free GPU blocks from the eviction frontier, or
         behind the free block `after`, fewer when the queue is shorter (a snapshot: valid until the pool

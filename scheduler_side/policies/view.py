@@ -8,7 +8,7 @@ its own. The scheduler builds one and hands it to its policy, which never sees t
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 from scheduler_side.admission.filter import AdmissionFilter
 from scheduler_side.interfaces import GpuPool
@@ -48,5 +48,3 @@ class SchedulerStorePolicyView:
     def gpu_num_free_blocks(self) -> int:
         return self._gpu.num_free_blocks()
 
-    def gpu_eviction_candidates(self) -> Iterator[tuple[int, bytes | None]]:
-        return self._gpu.eviction_candidates()

@@ -32,7 +32,8 @@ from offload_connector.metadata import TransferMetadata
 from worker_side import OffloadWorker
 from worker_side.backends.cuda.backend import CudaBackend
 from worker_side.backends.cuda.fences import StepFences
-from worker_side.testing.cuda_sim import SCHEDULES, SimCompute, SimCudaRuntime
+from worker_side.testing.cuda_sim import SCHEDULES, SimCudaRuntime
+from worker_side.testing.sim_compute import SimCompute
 
 pytestmark = pytest.mark.cudasim
 

@@ -28,8 +28,9 @@ from scheduler_side.completions import Completions
 from worker_side import CpuBackend, OffloadWorker
 from worker_side.backends.cuda.backend import CudaBackend
 from worker_side.load_reads import LoadReads
-from worker_side.testing.cuda_sim import SimCompute, SimCudaRuntime
+from worker_side.testing.cuda_sim import SimCudaRuntime
 from worker_side.testing.faults import FaultyBackend
+from worker_side.testing.sim_compute import SimCompute
 
 PROMPT = list(range(100, 116))  # 16 tokens = 4 blocks of 4: a CPU hit of 3 (the last token is computed)
 TIMEOUT_S = 0.02

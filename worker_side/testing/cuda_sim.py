@@ -8,7 +8,7 @@ into something a test sees:
   before a store or a load; "compute_first"; "random"; "copy_lag" queues many jobs at once, so anything
   released before its job ran gets reused), seeded. Waits and events behave as CUDA's (a wait captures
   the event's latest record at call time); `synchronize_*` runs work until the event or stream is done.
-  The fake engine's forward runs as work on a compute stream (`launch_host_work`, `SimCompute`), so a copy
+  The fake engine's forward runs as work on a compute stream (`launch_host_work`, sim_compute.py's `SimCompute`), so a copy
   that races the forward corrupts KV and the fake model's check fails.
 - The calling thread's current device is tracked (a new thread starts on device 0); every call that
   touches a stream, event or memory checks it matches, and `devices_touched[thread id]` records every
@@ -46,11 +46,12 @@ import torch
 from worker_side.backends.cpu import run_segments
 from worker_side.backends.cuda.api import CudaError
 from worker_side.copy_plan import Segments
-from worker_side.testing.sim_memory import SimMemory, read_int64
+from worker_side.testing.sim_kernels import block_copy_fault, staged_copy_fault, table_bytes, table_segments
+from worker_side.testing.sim_memory import SimMemory
 from worker_side.testing.sim_streams import SCHEDULES, SimEvent, SimStream, SimWork, StreamScheduler
 from worker_side.testing.sim_timing import SimTiming
 
-__all__ = ["SCHEDULES", "SimCompute", "SimCudaRuntime", "SimTiming"]
+__all__ = ["SCHEDULES", "SimCudaRuntime", "SimTiming"]
 
 
 class SimCudaRuntime:
@@ -175,14 +176,7 @@ class SimCudaRuntime:
     def elapsed_s(self, start: SimEvent, end: SimEvent) -> float:
         with self._lock:
             self._enter("elapsed_s")
-            for e in (start, end):
-                if not e.timing:
-                    raise CudaError("cuEventElapsedTime: an event created without timing "
-                                    "(CUDA_ERROR_INVALID_HANDLE)")
-                if e.time is None:
-                    raise CudaError("cuEventElapsedTime: an event not recorded or not complete "
-                                    "(CUDA_ERROR_NOT_READY)")
-            return end.time - start.time  # type: ignore[operator]
+            return start.elapsed_s(end)
 
     def wait_event(self, stream: SimStream, event: SimEvent) -> None:
         with self._lock:
@@ -259,10 +253,13 @@ class SimCudaRuntime:
         if self.copy_bytes:
             run_segments(segs)
 
-    def _registered_table(self, op: str, device: int, ptr: int, nbytes: int) -> None:
-        if not self.memory.table_registered(ptr, nbytes, device):
-            raise CudaError(self._fault(f"{op}: argument table at {ptr:#x} ({nbytes} bytes) is not in host memory "
-                                        f"registered on device {device}"))
+    def _check_launch(self, what: str) -> None:
+        """A kernel launch the device refuses: no kernel here, or a simulated launch failure (nothing queued)."""
+        if not self.supports_kernel:
+            raise CudaError(f"{what}: not available (simulated)")
+        if self.fail_kernel_launches > 0:
+            self.fail_kernel_launches -= 1
+            raise CudaError("cuLaunchKernel: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (simulated failure)")
 
     def launch_block_copy(self, planes_ptr: int, num_planes: int, ids_ptr: int, num_blocks: int,
                           stream: SimStream) -> None:
@@ -270,21 +267,13 @@ class SimCudaRuntime:
         with self._lock:
             device = self._enter("launch_block_copy")
             self._same_device("launch_block_copy", device, stream)
-            if not self.supports_kernel:
-                raise CudaError("block-copy kernel: not available (simulated)")
-            if self.fail_kernel_launches > 0:
-                self.fail_kernel_launches -= 1
-                raise CudaError("cuLaunchKernel: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (simulated failure)")
-            if not self.host_pointer_for_registered_mem:
-                raise CudaError(self._fault(
-                    f"launch_block_copy on device {device}: CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM is 0, so the "
-                    "kernel cannot read registered host memory at its host address (CUDA_ERROR_ILLEGAL_ADDRESS, "
-                    "sticky)"))
-            self._registered_table("launch_block_copy", device, planes_ptr, num_planes * 40)
-            self._registered_table("launch_block_copy", device, ids_ptr, num_blocks * 16)
+            self._check_launch("block-copy kernel")
+            fault = block_copy_fault(self.memory, device, planes_ptr, num_planes, ids_ptr, num_blocks,
+                                     self.host_pointer_for_registered_mem)
+            if fault is not None:
+                raise CudaError(self._fault(fault))
             self.kernel_grids.append(min(num_planes * num_blocks, max(1, min(self.kernel_max_sms, self.sms))))
-            planes_now = read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)
-            seconds = self.timing.kernel_seconds(int(planes_now[:, 4].sum()) * num_blocks)
+            seconds = self.timing.kernel_seconds(table_bytes(planes_ptr, num_planes) * num_blocks)
             self._push_table_kernel(stream, device, "block-copy kernel", planes_ptr, num_planes, ids_ptr,
                                     ids_ptr + 8 * num_blocks, num_blocks, self.memory.copy_fault, seconds)
         self.self_time += time.perf_counter() - t0
@@ -297,11 +286,7 @@ class SimCudaRuntime:
         def run() -> None:
             if not self.copy_bytes:
                 return
-            planes = read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)[:, :, None]
-            src_ids, dst_ids = read_int64(src_ids_ptr, num_blocks), read_int64(dst_ids_ptr, num_blocks)
-            segs = Segments((planes[:, 1] + dst_ids * planes[:, 3]).ravel(),
-                            (planes[:, 0] + src_ids * planes[:, 2]).ravel(),
-                            np.broadcast_to(planes[:, 4], (num_planes, num_blocks)).ravel().copy())
+            segs = table_segments(planes_ptr, num_planes, src_ids_ptr, dst_ids_ptr, num_blocks)
             fault = fault_of(what, device, segs)
             if fault is None:
                 run_segments(segs)
@@ -316,22 +301,13 @@ class SimCudaRuntime:
         with self._lock:
             device = self._enter("launch_staged_copy")
             self._same_device("launch_staged_copy", device, stream)
-            if not self.supports_kernel:
-                raise CudaError("staged-copy kernel: not available (simulated)")
-            if self.fail_kernel_launches > 0:
-                self.fail_kernel_launches -= 1
-                raise CudaError("cuLaunchKernel: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (simulated failure)")
-            if not 0 < num_blocks <= 1024:
-                raise CudaError(self._fault(f"launch_staged_copy: {num_blocks} blocks; the kernel takes 1..1024"))
-            if not self.memory.device_ok(np.array([planes_ptr], np.int64), np.array([num_planes * 40], np.int64),
-                                         device)[0]:
-                raise CudaError(self._fault(f"launch_staged_copy: plane table at {planes_ptr:#x} is not device "
-                                            f"memory of device {device}"))
-            for ptr in (src_ids_ptr, dst_ids_ptr):
-                self._registered_table("launch_staged_copy", device, ptr, num_blocks * 8)
+            self._check_launch("staged-copy kernel")
+            fault = staged_copy_fault(self.memory, device, planes_ptr, num_planes, src_ids_ptr, dst_ids_ptr,
+                                      num_blocks)
+            if fault is not None:
+                raise CudaError(self._fault(fault))
             self.kernel_grids.append(min(-(-num_planes * num_blocks // 8), max(1, min(max_blocks, self.sms))))
-            planes_now = read_int64(planes_ptr, num_planes * 5).reshape(num_planes, 5)
-            seconds = self.timing.device_copy_seconds(int(planes_now[:, 4].sum()) * num_blocks)
+            seconds = self.timing.device_copy_seconds(table_bytes(planes_ptr, num_planes) * num_blocks)
             self._push_table_kernel(stream, device, "staged-copy kernel", planes_ptr, num_planes, src_ids_ptr,
                                     dst_ids_ptr, num_blocks, self.memory.device_copy_fault, seconds)
         self.self_time += time.perf_counter() - t0
@@ -370,28 +346,3 @@ class SimCudaRuntime:
     def num_queued(self) -> int:
         return self._queues.num_queued
 
-
-class SimCompute:
-    """The fake engine's compute queue on a simulated device: the forward runs when the simulator says."""
-
-    def __init__(self, rt: SimCudaRuntime, device: int = 0) -> None:
-        self.rt, self.device = rt, device
-
-    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        return self.rt.alloc_device(shape, dtype, self.device)
-
-    def _raise_errors(self) -> None:
-        if self.rt.errors:
-            raise self.rt.errors[0]
-
-    def launch(self, fn: Callable[[], None]) -> None:
-        self._raise_errors()
-        if self.rt.get_device() != self.device:
-            self.rt.set_device(self.device)
-        self.rt.launch_host_work(self.rt.compute_stream(), fn)
-
-    def synchronize(self) -> None:
-        if self.rt.get_device() != self.device:
-            self.rt.set_device(self.device)
-        self.rt.synchronize_stream(self.rt.compute_stream())
-        self._raise_errors()

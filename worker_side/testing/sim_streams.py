@@ -61,6 +61,15 @@ class SimEvent:
         else:
             stream.timers.setdefault(stream.enqueued, []).append(self)
 
+    def elapsed_s(self, end: SimEvent) -> float:
+        """Seconds from this event to `end` on the simulated clocks (`cuEventElapsedTime`'s refusals)."""
+        for e in (self, end):
+            if not e.timing:
+                raise CudaError("cuEventElapsedTime: an event created without timing (CUDA_ERROR_INVALID_HANDLE)")
+            if e.time is None:
+                raise CudaError("cuEventElapsedTime: an event not recorded or not complete (CUDA_ERROR_NOT_READY)")
+        return end.time - self.time  # type: ignore[operator]
+
 
 def _done(target: tuple[SimStream, int] | None) -> bool:
     return target is None or target[0].completed >= target[1]
