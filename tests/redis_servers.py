@@ -41,31 +41,50 @@ def _bindable(port: int) -> bool:
 
 
 def free_port() -> int:
-    """A free loopback port whose cluster-bus port (port + 10000) is free too."""
+    """A free loopback port whose cluster-bus port (port + 10000) is free too.
+
+    Both lie below Linux's default ephemeral range (32768-60999), so no outgoing connection (redis-cli's
+    own, another test's) can take either between this check and the server's bind.
+    """
     for _ in range(1000):
-        port = random.randrange(20000, 50000)
+        port = random.randrange(10000, 22768)
         if _bindable(port) and _bindable(port + 10000):
             return port
     raise RuntimeError("no free loopback port pair found")
 
 
+class PortTaken(RuntimeError):
+    """redis-server exited because another process holds its port (or its cluster-bus port)."""
+
+
 class RedisServer:
     def __init__(self, workdir: Path, maxmemory: str = "64mb", password: str | None = None,
                  cluster: bool = False, policy: str = "allkeys-lru") -> None:
-        self.port = free_port()
         self.workdir, self.maxmemory, self.password, self.cluster = workdir, maxmemory, password, cluster
         self.policy = policy
         self.proc: subprocess.Popen | None = None
-        self.start()
+        for attempt in range(3):  # a port taken between the check and the bind: try another
+            self.port = free_port()
+            try:
+                self.start()
+                return
+            except PortTaken:
+                if attempt == 2:
+                    raise
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
+    @property
+    def logfile(self) -> Path:
+        return self.workdir / f"redis-{self.port}.log"
+
     def args(self) -> list[str]:
         args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy, "--dir", str(self.workdir)]
+                "--maxmemory", self.maxmemory, "--maxmemory-policy", self.policy, "--dir", str(self.workdir),
+                "--logfile", str(self.logfile)]
         if self.password:
             args += ["--requirepass", self.password]
         if self.cluster:
@@ -76,9 +95,12 @@ class RedisServer:
         self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
         while self.cli("PING") != "PONG":
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            exited = self.proc.poll() is not None
+            if exited or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"redis-server on port {self.port} did not start")
+                log = self.logfile.read_text(errors="replace")[-2000:] if self.logfile.exists() else ""
+                error = PortTaken if exited and "Failed listening on port" in log else RuntimeError
+                raise error(f"redis-server on port {self.port} did not start; its log ends:\n{log}")
             time.sleep(0.05)
 
     def cli(self, *command: str) -> str:

@@ -3,6 +3,7 @@ the client against real redis-server processes (single node, wrong password, dow
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -255,6 +256,24 @@ def test_lookups_batch_questions_and_stop_at_each_ones_first_miss(redis_server) 
     lookups.cancel(cancelled)
     lookups.close()
     assert lookups.take(cancelled) is None and client.counters.errors == 0
+
+
+def test_the_test_servers_start_on_another_port_when_theirs_is_taken(tmp_path, monkeypatch) -> None:
+    """The CI run of 2026-11-29 lost a cluster set-up to a port taken between the check and the bind."""
+    import redis_servers
+
+    redis_servers.require_redis()
+    with socket.socket() as holder:  # bound, not listening: as an outgoing connection holds a port
+        holder.bind(("127.0.0.1", 0))
+        taken = holder.getsockname()[1]
+        ports = iter([taken, redis_servers.free_port()])
+        monkeypatch.setattr(redis_servers, "free_port", lambda: next(ports))
+        server = redis_servers.RedisServer(tmp_path)
+        try:
+            assert server.port != taken and server.cli("PING") == "PONG"
+            assert f"Failed listening on port {taken}" in (tmp_path / f"redis-{taken}.log").read_text()
+        finally:
+            server.stop()
 
 
 # ---- the server's memory figures (capacity and occupancy gauges) ---------------------------------------
