@@ -77,11 +77,9 @@ class Allocations:
                 self._note_reuse(state, state.num_gpu_hit_blocks + n)
             self.admissions.admit_keys(state, extends=True, first_new=state.num_gpu_hit_blocks + n)
             cpu_pool = self.cpu_pool
-            cached = cpu_pool.cached
-            for key in self.policy.on_allocated(state, state.num_gpu_hit_blocks):
-                block = cached.get(key)  # (most were forgotten at an earlier hit)
-                if block is not None:
-                    cpu_pool.discard(block)  # a held copy (a load source) stays
+            # (most were forgotten at an earlier hit: the lookups in C)
+            for block in filter(None, map(cpu_pool.cached.get, self.policy.on_allocated(state, state.num_gpu_hit_blocks))):
+                cpu_pool.discard(block)  # a held copy (a load source) stays
             self.policy.on_blocks_allocated(len(state.gpu_block_ids) - state.num_gpu_hit_blocks)
         state.pending_hit = None
         if hit is not None:  # all of it when the engine took none of the hit

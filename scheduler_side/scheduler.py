@@ -130,6 +130,7 @@ class OffloadScheduler:
                              self.allocate_cpu, self._tiers, lend_load_slots)
         self.completions = Completions(self.transfers, self.cpu_pool, gpu_pool, self.policy, self.stats,
                                        self.kv_events, self.tiers, world_size)
+        self._wiring: tuple[bool, bool, bool] | None = None  # what `_listen_to_cpu_evictions` last wired for
         self._listen_to_cpu_evictions()
 
     def _listen_to_cpu_evictions(self) -> None:
@@ -138,12 +139,18 @@ class OffloadScheduler:
         (`hears_cpu_copy_drops`; alone, it is called directly). Per evicted block that is a chain of calls;
         most steps of a full tier evict. Re-checked once a step and when events turn on."""
         policy = self.policy
+        wiring = (policy.hears_cpu_copy_drops, policy.hears_cpu_evictions, self.kv_events.enabled)
+        if wiring == self._wiring:
+            return  # (as wired at the last check)
+        self._wiring = wiring
         self._copy_drops_heard = policy.hears_cpu_copy_drops
         if self._copy_drops_heard and not (self.kv_events.enabled or policy.hears_cpu_evictions or self._keeping):
             self.cpu_pool.on_evict = policy.on_cpu_copy_dropped
+            self.cpu_pool.on_evict_keys = policy.on_cpu_copies_evicted  # (an allocation's evictions at once)
             return
         wanted = self.kv_events.enabled or policy.hears_cpu_evictions or self._copy_drops_heard
         self.cpu_pool.on_evict = self._on_cpu_evict if wanted else None
+        self.cpu_pool.on_evict_keys = None
 
     def _on_cpu_evict(self, key: bytes, evicted: bool) -> None:
         """The CPU pool dropped `key`: evicted by allocation (`evicted`; the store policy hears of it unless a
@@ -209,10 +216,12 @@ class OffloadScheduler:
         state = requests.get(request.request_id)
         if state is None or state.phase is Phase.FINISHED:
             return False, None
-        self.lookups.drop_pending_hit(state)
+        if state.pending_hit is not None:
+            self.lookups.drop_pending_hit(state)
         for tier in self._tiers:
             tier.forget(state)
-        self.admissions.admit_finished(state)
+        if state.num_admitted_keys:  # (never admitted: nothing of it in the admission filter's tree)
+            self.admissions.admit_finished(state)
         hold = self.policy.on_request_finished(state)
         if hold:  # released by the policy's next pick_stores, after the store event took its own
             self.gpu_pool.touch(hold)

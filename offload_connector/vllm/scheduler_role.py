@@ -115,17 +115,18 @@ class SchedulerRole:
         kept = resumed_ids.union(drafted, previously_drafted) if drafted or previously_drafted else resumed_ids
         # StepRequest's contract: a request with no new block that completes none (a decode step) is left
         # out unless kept; most of a batch is (comprehensions, and tuple.__new__ for the StepRequests).
+        # `before % bs + n >= bs`: the step completes a block ((before + n) // bs > before // bs, n >= 0).
         changed = zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens,
                       map(num_scheduled.__getitem__, cached.req_ids), strict=True)
         if one:
             steps += [_step(StepRequest, (req_id, new_ids[0] if new_ids else [], before + n, req_id in resumed_ids))
                       for req_id, new_ids, before, n in changed
-                      if (before + n) // bs != before // bs or (new_ids is not None and any(new_ids)) or req_id in kept]
+                      if before % bs + n >= bs or (new_ids is not None and any(new_ids)) or req_id in kept]
         else:
             steps += [_step(StepRequest, (req_id, empty if new_ids is None else new_ids, before + n,
                                           req_id in resumed_ids))
                       for req_id, new_ids, before, n in changed
-                      if (before + n) // bs != before // bs or (new_ids is not None and any(new_ids)) or req_id in kept]
+                      if before % bs + n >= bs or (new_ids is not None and any(new_ids)) or req_id in kept]
         return OffloadConnectorMetadata(sched.build_connector_meta(steps))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

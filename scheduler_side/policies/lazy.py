@@ -70,6 +70,7 @@ class LazyStorePolicy(StorePolicy):
         super().__init__(view)
         self._inclusive = EagerStorePolicy(view)  # picks every computed block while the tier has room
         self._suffix = group_suffix(view.group_id)  # a block hash + this = its key (`with_group_id`)
+        self._block_size = view.block_size
         self._step_alloc = 0  # blocks the engine handed to requests this step
         self._peak_alloc = 0.0  # decaying peak of per-step allocations
         self._admit_mean = 0.0  # mean largest admission of steps that ran at most one request (EMA)
@@ -114,6 +115,9 @@ class LazyStorePolicy(StorePolicy):
     def on_cpu_copy_dropped(self, key: bytes, evicted: bool = True) -> None:
         """A block of the saved head holding this content is unsaved now: picked again at the next step."""
         self._head.on_copy_dropped(key)
+
+    def on_cpu_copies_evicted(self, keys: list[bytes]) -> None:
+        self._head.on_copies_dropped(keys)
 
     @property
     def hears_cpu_copy_drops(self) -> bool:
@@ -184,7 +188,7 @@ class LazyStorePolicy(StorePolicy):
             return
         state.num_store_checked_blocks = num_blocks
         self._head.take(state.gpu_block_ids[checked:])  # the blocks it took this step
-        rest = -(-state.request.num_tokens // self.view.block_size) - num_blocks
+        rest = -(-state.request.num_tokens // self._block_size) - num_blocks
         if rest > 0:
             self._pending += rest
 
@@ -279,9 +283,10 @@ class LazyStorePolicy(StorePolicy):
         what deferred admissions need) and the CPU tier's free room."""
         lone = self._num_scheduled <= 1  # (before the tick resets it)
         self._tick()
-        inclusive = self._inclusive.pick_stores()  # (empty under pressure: `on_scheduled` gave it nothing)
         if not self._cpu_under_pressure:
-            return inclusive  # (nothing is held: holds start under pressure, which lasts)
+            return self._inclusive.pick_stores()  # (nothing is held: holds start under pressure, which lasts)
+        if self._inclusive.num_picked:  # (none: under pressure `on_scheduled` gives it nothing)
+            self._inclusive.pick_stores()
         view = self.view
         cached, reserved = view.saved_key_maps()
         dead = view.is_dead if view.may_have_dead() else None
@@ -334,14 +339,15 @@ class LazyStorePolicy(StorePolicy):
         When the free queue is shorter than the lookahead, those allocations could evict them unsaved: hold
         them until the next store event takes them, as many as the CPU tier has room for (holding what
         cannot be stored would only shrink the GPU's free queue)."""
-        self._deferred.pop(state.request_id, None)
+        if self._deferred:
+            self._deferred.pop(state.request_id, None)
         if not self._cpu_under_pressure:
             return []  # its computed blocks are stored or being stored
         view = self.view
-        room = view.cpu_num_free_blocks() - len(self._holds)
-        if view.gpu_num_free_blocks() >= max(self.lookahead, self._demand) or room <= 0:
+        if view.gpu_num_free_blocks() >= max(self.lookahead, self._demand):
             return []
-        return self._holds.hold(state, room)
+        room = view.cpu_num_free_blocks() - len(self._holds)
+        return self._holds.hold(state, room) if room > 0 else []
 
     @property
     def num_held_blocks(self) -> int:

@@ -68,6 +68,21 @@ class SavedHead:
             blocks.discard(gpu_id)
             self.unsaved.append((gpu_id, key))
 
+    def on_copies_dropped(self, keys: list[bytes]) -> None:
+        """`on_copy_dropped` for each key, in order."""
+        blocks, cached_block = self.blocks, self._cached_block
+        for key in keys:
+            if not blocks:
+                return
+            gpu_id = cached_block(key)
+            if gpu_id is None or gpu_id not in blocks:
+                continue
+            if gpu_id == self.cursor:
+                self.reset()  # (clears `blocks` in place)
+            else:
+                blocks.discard(gpu_id)
+                self.unsaved.append((gpu_id, key))
+
     def check_cursor(self) -> None:
         """Before a scan: if the engine took the cursor's block, start from the head."""
         cursor = self.cursor

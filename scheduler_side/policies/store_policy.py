@@ -135,6 +135,11 @@ class StorePolicy:
         """The CPU tier no longer has `key`'s copy: evicted to make room (whether a lower tier keeps it or
         not) or forgotten (told only while `hears_cpu_copy_drops`)."""
 
+    def on_cpu_copies_evicted(self, keys: list[bytes]) -> None:
+        """`on_cpu_copy_dropped(key, True)` for each key, in order: one allocation's evictions."""
+        for key in keys:
+            self.on_cpu_copy_dropped(key, True)
+
     @property
     def hears_cpu_copy_drops(self) -> bool:
         return False
@@ -230,3 +235,8 @@ class EagerStorePolicy(StorePolicy):
     def pick_stores(self) -> StorePicks:
         picks, self._picks, self._picked = self._picks, StorePicks(), set()
         return picks
+
+    @property
+    def num_picked(self) -> int:
+        """Blocks picked since the last `pick_stores`."""
+        return len(self._picked)

@@ -13,7 +13,8 @@ Invariants (checked by `check_integrity()`):
   `block_hash` equals the key, it is not hit-able, and it never sits in `cached` too. `commit` turns a
   reservation into a cached entry, `abort` forgets it; the key lives in the pool alone meanwhile;
 - allocation takes the blocks the eviction policy gives up first (`EvictionPolicy.popleft_n`) and, if a
-  taken block was cached, drops it from `cached` first;
+  taken block was cached, drops it from `cached` first (`on_evict`, or `on_evict_keys` once for the call,
+  hears of the drops after the call dropped them all);
 - with an `eviction` policy (the CPU tier: every policy there is `empty_first`) no cached block is evicted
   while an empty block is free: "the head" for a cached block (`free(front=True)`, `demote`) is the
   eviction end of the cached blocks, behind every empty one. Without one (the fake engine's GPU pool) one
@@ -56,6 +57,9 @@ class BlockPool:
         self.cached: dict[bytes, Block] = {}
         self.reserved: dict[bytes, Block] = {}  # content on its way into a held block (not hit-able yet)
         self.on_evict = on_evict  # (key, evicted) for every cached block dropped; evicted: by allocation (LRU)
+        # If set, hears the keys an `allocate` evicted, once per call in eviction order, instead of `on_evict`
+        # hearing each (the hook is told after the call dropped them all).
+        self.on_evict_keys: Callable[[list[bytes]], None] | None = None
         self.on_evict_block: Callable[[Block], None] | None = None  # an evicted block, its hash still set
         self.num_evictions = 0  # cached blocks dropped because their block was reallocated (LRU)
 
@@ -88,13 +92,27 @@ class BlockPool:
         if num > self.free_queue.num_free_blocks:
             return None
         out = self.free_queue.popleft_n(num)
-        on_evict_block = self.on_evict_block
+        on_evict_block, cached, evicted = self.on_evict_block, self.cached, []
+        on_uncached = self.free_queue.on_uncached if self._tell_held else None
         for block in out:
-            if block.block_hash is not None:
+            h = block.block_hash
+            if h is not None:  # `_drop_hash(block, evicted=True, held=True)`, inlined (per block)
                 if on_evict_block is not None:
                     on_evict_block(block)
-                self._drop_hash(block, evicted=True, held=True)  # (out of the free queue already)
+                block.block_hash = None
+                if on_uncached is not None:
+                    on_uncached(block)
+                if cached.get(h) is block:
+                    del cached[h]
+                    evicted.append(h)
             block.ref_cnt = 1
+        if evicted:
+            self.num_evictions += len(evicted)
+            if self.on_evict_keys is not None:
+                self.on_evict_keys(evicted)
+            elif self.on_evict is not None:
+                for h in evicted:
+                    self.on_evict(h, True)
         return out
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -152,9 +170,14 @@ class BlockPool:
         """
         if block.ref_cnt != 0:
             return False
-        self._drop_hash(block)
-        self.free_queue.remove(block)
-        self.free_queue.appendleft(block)
+        queue = self.free_queue
+        if self._tell_held:
+            self._drop_hash(block)
+            queue.remove(block)
+        else:  # (out of the queue first: a policy that keeps free blocks only need not move it in between)
+            queue.remove(block)
+            self._drop_hash(block, held=True)
+        queue.appendleft(block)
         return True
 
     def demote(self, block: Block) -> bool:

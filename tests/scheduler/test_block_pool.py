@@ -93,6 +93,37 @@ def test_eviction_drops_hash_and_reports_it():
     pool.check_integrity()
 
 
+def test_an_allocations_evictions_are_told_once_in_eviction_order_when_a_batch_listener_is_set():
+    per_key, batches = [], []
+    pool = BlockPool(5, on_evict=lambda key, by_allocation: per_key.append(key), eviction="lru")
+    blocks = pool.allocate(4)
+    for block, key in zip(blocks, (b"k1", b"k2", b"k3", b"k4"), strict=True):
+        assert pool.cache(block, key)
+    pool.free(blocks)
+    pool.on_evict_keys = batches.append
+    assert ids(pool.allocate(3)) == [1, 2, 3]
+    assert batches == [[b"k1", b"k2", b"k3"]] and per_key == [] and pool.num_evictions == 3
+    pool.on_evict_keys = None  # without it: `on_evict` hears each
+    pool.allocate(1)
+    assert per_key == [b"k4"] and pool.num_evictions == 4
+    pool.check_integrity()
+
+
+def test_discard_forgets_the_content_and_puts_the_block_first_in_line_under_every_eviction_policy():
+    for eviction in ("lru", "arc"):
+        dropped: list[tuple[bytes, bool]] = []
+        pool = BlockPool(5, on_evict=lambda key, by_allocation, out=dropped: out.append((key, by_allocation)),
+                         eviction=eviction)
+        blocks = pool.allocate(4)
+        for block, key in zip(blocks, (b"k1", b"k2", b"k3", b"k4"), strict=True):
+            assert pool.cache(block, key)
+        pool.free(blocks[:2])  # 1, 2 free and cached; 3, 4 held
+        assert pool.discard(blocks[1]) and not pool.discard(blocks[2])  # a held copy stays
+        assert blocks[1].block_hash is None and pool.lookup(b"k2") is None and dropped == [(b"k2", False)]
+        assert ids(pool.free_queue)[0] == 2  # empty room, taken before any cached block
+        pool.check_integrity()
+
+
 def test_cache_refuses_second_block_for_same_hash():
     pool = BlockPool(4)
     a, b = pool.allocate(2)

@@ -332,6 +332,26 @@ def test_the_cursor_blocks_dropped_copy_starts_the_scan_from_the_head():
     policy.on_stores_emitted(1, [3])
 
 
+def test_an_allocations_dropped_copies_told_at_once_change_the_saved_head_as_told_one_by_one():
+    def run(tell) -> list[list[int]]:
+        view = ScriptedView(lazy_lookahead_blocks=5, frontier=unsaved(1, 8))
+        view.saved = {key(i) for i in range(1, 6)}
+        policy = lazy_under_pressure(view)
+        assert policy.pick_stores().gpu_ids == []  # 1..5 saved: the saved head, cursor 5
+        policy.on_stores_emitted(None, [])
+        view.saved -= {key(2), key(4), key(5)}
+        tell(policy, [key(2), key(9), key(4), key(5), key(3)])  # 5 is the cursor's: the scan starts again
+        out = [policy.pick_stores().gpu_ids]
+        policy.on_stores_emitted(1, out[-1])
+        return out
+
+    def one_by_one(policy, keys):
+        for k in keys:
+            policy.on_cpu_copy_dropped(k)
+
+    assert run(one_by_one) == run(lambda policy, keys: policy.on_cpu_copies_evicted(keys)) == [[2, 4, 5]]
+
+
 def test_stored_blocks_go_back_behind_the_block_before_them_while_it_is_still_saved():
     view = ScriptedView(lazy_lookahead_blocks=6, frontier=empty(1, 1) + unsaved(2, 2) + empty(4, 1) + unsaved(5, 2))
     policy = lazy_under_pressure(view)
