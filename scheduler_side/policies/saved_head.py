@@ -56,20 +56,10 @@ class SavedHead:
 
     def on_copy_dropped(self, key: bytes) -> None:
         """The CPU tier dropped `key`'s copy: a block of the saved head holding it is unsaved now."""
-        blocks = self.blocks
-        if not blocks:
-            return
-        gpu_id = self._cached_block(key)
-        if gpu_id is None or gpu_id not in blocks:
-            return
-        if gpu_id == self.cursor:
-            self.reset()
-        else:
-            blocks.discard(gpu_id)
-            self.unsaved.append((gpu_id, key))
+        self.on_copies_dropped((key,))
 
-    def on_copies_dropped(self, keys: list[bytes]) -> None:
-        """`on_copy_dropped` for each key, in order."""
+    def on_copies_dropped(self, keys: Sequence[bytes]) -> None:
+        """`on_copy_dropped` for each key, in order (an allocation's evictions at once)."""
         blocks, cached_block = self.blocks, self._cached_block
         for key in keys:
             if not blocks:
