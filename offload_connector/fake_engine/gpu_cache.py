@@ -124,12 +124,15 @@ class GpuCache:
             plan.append((hit, nulls, max(0, total - base - nulls)))
         if sum(p[2] for p in plan) > self.pool.num_free_blocks - num_free_hits:
             return None
-        new_ids: list[list[int]] = []
-        for ids, (hit, nulls, need) in zip(req.group_block_ids, plan, strict=True):
-            taken = [b for b in hit if b is not None]
-            self.pool.touch(taken)
+        # Every group's hits leave the free queue before any group allocates (vLLM's allocate_slots: the
+        # computed blocks of all groups, then the new ones): else one group's allocation could evict a
+        # block another group of the same request is about to take as its hit, and both would write it.
+        for ids, (hit, nulls, _) in zip(req.group_block_ids, plan, strict=True):
+            self.pool.touch([b for b in hit if b is not None])
             ids.extend(NULL_GPU_BLOCK if b is None else b.block_id for b in hit)
             ids.extend([NULL_GPU_BLOCK] * nulls)
+        new_ids: list[list[int]] = []
+        for ids, (_, _, need) in zip(req.group_block_ids, plan, strict=True):
             new = [b.block_id for b in self.pool.allocate(need)] if need else []
             ids.extend(new)
             new_ids.append(new)

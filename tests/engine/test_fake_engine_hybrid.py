@@ -8,12 +8,16 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from offload_connector.cli.main import main
 from offload_connector.config import ConfigError, load_config
 from offload_connector.fake_engine.engine import FakeEngine
+from offload_connector.fake_engine.gpu_cache import GpuCache
+from offload_connector.fake_engine.request import EngineRequest
+from offload_connector.hashing import with_group_id
+from scheduler_side.groups import KVGroup
 from worker_side import CpuBackend
 from worker_side.testing.faults import FaultyBackend
 
@@ -55,11 +59,31 @@ def test_hybrid_hits_load_the_window_only_and_read_the_right_kv() -> None:
 
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 10_000), num_gpu_blocks=st.integers(24, 48), num_cpu_blocks=st.integers(8, 96))
+@example(seed=448, num_gpu_blocks=38, num_cpu_blocks=49)  # wrong K/V in most runs before the allocation fix
 def test_hybrid_any_workload_keeps_kv_intact(seed: int, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
     """Tight pools: GPU evictions, CPU evictions, preemptions; never wrong K/V, never a leak."""
     engine = run(hybrid_config(num_gpu_blocks, num_cpu_blocks), seed)
     assert (engine.stats.integrity_errors, engine.stats.leaked_blocks) == (0, 0)
     assert engine.outputs == run(hybrid_config(num_gpu_blocks, num_cpu_blocks), seed, connector=False).outputs
+
+
+def test_one_groups_allocation_never_takes_a_block_another_group_hits() -> None:
+    """Hypothesis found `test_hybrid_any_workload_keeps_kv_intact` failing (seed 448, 38 GPU and 49 CPU blocks,
+    in most runs): the engine allocated a request's full-attention blocks before taking its window hit,
+    evicted the free hit block at the head of the queue, and gave it to both groups: wrong K/V."""
+    cache = GpuCache(6, BS, (KVGroup(0), KVGroup(1, window=WINDOW)))
+    a, x = cache.pool.allocate(2)
+    req = EngineRequest("r", list(range(2 * BS)), 1, BS)
+    cache.pool.cache(a, with_group_id(req.block_hashes[0], 0))
+    cache.pool.cache(x, with_group_id(req.block_hashes[0], 1))
+    cache.pool.free([a])
+    cache.pool.free([x], front=True)  # the window hit is first in line for eviction
+    req.group_block_ids = [[], []]
+    req.gpu_block_ids = req.group_block_ids[0]
+    new = cache.allocate_groups(req, num_tokens=2 * BS, num_computed=BS, hits=[[a], [x]])
+    assert new is not None and x.block_id not in new[0] and x.block_hash is not None
+    assert req.group_block_ids[0][0] == a.block_id and req.group_block_ids[1][0] == x.block_id
+    assert not set(req.group_block_ids[0]) & set(req.group_block_ids[1])
 
 
 def test_hybrid_preemption_keeps_kv_intact() -> None:
