@@ -5,18 +5,14 @@ the CPU yet (and not dead: see admission.py) are stored, so the GPU evicts only 
 block goes back where it was picked, behind the block before it then (`stored_blocks_places`), so the
 GPU's LRU order is kept; at the head where that block is gone.
 
-The saved head: the free blocks at the head of the GPU free queue that the policy scanned and did not pick
-(saved, unhashed or dead) up to the last of them (the cursor), with the stored blocks put back among them.
-Each step scans on from the cursor only as far as the budget exceeds the saved head, so a step reads only
-the blocks that entered the budget since the last one. Blocks leave the saved head as the engine takes
-them (its allocations and GPU hits, told through `on_allocated` and `on_scheduled`) and when the tier
-drops their CPU copies (`on_cpu_copy_dropped`: picked again at the next step, charged as the scan would
-charge them). When the engine took the cursor's block, or the tier dropped its copy, the scan starts from
-the head again. Blocks the engine takes without telling the policy (a request the connector never looked
-up) stay counted in the saved head until the engine takes the cursor's block. In a step that
-ran at most one request, the saved blocks within a deferred admission's span have their CPU copies made most recently used
-before the step's stores take CPU blocks (the admission drops them from the GPU next step: in an exclusive
-tier they are newer than anything on the CPU, and a copy the stores evicted would be lost then).
+The saved head (saved_head.py): the free blocks at the head of the GPU free queue that the policy scanned
+and did not pick, up to the cursor; each step scans on from the cursor only as far as the budget exceeds
+it. Blocks leave it as the engine takes them (`on_allocated`, `on_scheduled`) and when the tier drops their
+CPU copies (`on_cpu_copy_dropped`, `on_cpu_copies_evicted`: picked again at the next step).
+In a step that ran at most one request, the saved blocks within a deferred admission's span have their CPU
+copies made most recently used before the step's stores take CPU blocks (the admission drops them from the
+GPU next step: in an exclusive tier they are newer than anything on the CPU, and a copy the stores evicted
+would be lost then).
 CPU copies of blocks that were just loaded to the GPU, or that an admitted request hit on the GPU, are
 forgotten (empty room, taken first; the GPU holds them now; the tiers stay mostly exclusive) once the CPU
 tier is under pressure: it has evicted a block, which the CPU pool does only once no empty block is free
