@@ -143,12 +143,13 @@ class OffloadScheduler:
         if wiring == self._wiring:
             return  # (as wired at the last check)
         self._wiring = wiring
-        self._copy_drops_heard = policy.hears_cpu_copy_drops
-        if self._copy_drops_heard and not (self.kv_events.enabled or policy.hears_cpu_evictions or self._keeping):
+        drops, evictions, events = wiring
+        self._copy_drops_heard = drops
+        if drops and not (events or evictions or self._keeping):
             self.cpu_pool.on_evict = policy.on_cpu_copy_dropped
             self.cpu_pool.on_evict_keys = policy.on_cpu_copies_evicted  # (an allocation's evictions at once)
             return
-        wanted = self.kv_events.enabled or policy.hears_cpu_evictions or self._copy_drops_heard
+        wanted = events or evictions or drops
         self.cpu_pool.on_evict = self._on_cpu_evict if wanted else None
         self.cpu_pool.on_evict_keys = None
 
@@ -216,12 +217,10 @@ class OffloadScheduler:
         state = requests.get(request.request_id)
         if state is None or state.phase is Phase.FINISHED:
             return False, None
-        if state.pending_hit is not None:
-            self.lookups.drop_pending_hit(state)
+        self.lookups.drop_pending_hit(state)
         for tier in self._tiers:
             tier.forget(state)
-        if state.num_admitted_keys:  # (never admitted: nothing of it in the admission filter's tree)
-            self.admissions.admit_finished(state)
+        self.admissions.admit_finished(state)
         hold = self.policy.on_request_finished(state)
         if hold:  # released by the policy's next pick_stores, after the store event took its own
             self.gpu_pool.touch(hold)
