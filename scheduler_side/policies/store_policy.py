@@ -190,19 +190,18 @@ class EagerStorePolicy(StorePolicy):
         if end <= start:
             return  # the common decode step: no block completed
         hashes, gpu_block_ids, view = state.request.block_hashes, state.gpu_block_ids, self.view
-        end = min(end, len(hashes), len(gpu_block_ids))
-        suffix, picked, cached, reserved = self._suffix, self._picked, self._cached, self._reserved
-        pick_id, pick_key = self._picks.gpu_ids.append, self._picks.keys.append
+        end = min(end, len(hashes), len(gpu_block_ids))  # (a block is picked once it has a hash and a GPU block)
+        if end <= start:
+            return
+        state.num_store_checked_blocks = end
+        suffix, picked, cached, reserved, picks = self._suffix, self._picked, self._cached, self._reserved, self._picks
         is_dead = view.is_dead if view.may_have_dead() else None
-        for i in range(start, end):
-            key = hashes[i] + suffix  # with_group_id, inlined (per block)
-            gpu_id = gpu_block_ids[i]
+        for key, gpu_id in zip([h + suffix for h in hashes[start:end]], gpu_block_ids[start:end]):  # with_group_id
             if gpu_id == 0 or key in cached or key in picked or key in reserved or (is_dead and is_dead(key)):
                 continue  # the null block, or already picked, on the CPU or being stored, or refused
             picked.add(key)
-            pick_id(gpu_id)
-            pick_key(key)
-        state.num_store_checked_blocks = max(start, end)
+            picks.gpu_ids.append(gpu_id)
+            picks.keys.append(key)
 
     def on_scheduled_groups(self, state: RequestState, num_computed_before: int, num_computed_tokens: int,
                             groups: Sequence[KVGroup]) -> None:
