@@ -196,7 +196,8 @@ class EagerStorePolicy(StorePolicy):
         state.num_store_checked_blocks = end
         suffix, picked, cached, reserved, picks = self._suffix, self._picked, self._cached, self._reserved, self._picks
         is_dead = view.is_dead if view.may_have_dead() else None
-        for key, gpu_id in zip([h + suffix for h in hashes[start:end]], gpu_block_ids[start:end]):  # with_group_id
+        keys = [h + suffix for h in hashes[start:end]]  # with_group_id, inlined
+        for key, gpu_id in zip(keys, gpu_block_ids[start:end], strict=True):
             if gpu_id == 0 or key in cached or key in picked or key in reserved or (is_dead and is_dead(key)):
                 continue  # the null block, or already picked, on the CPU or being stored, or refused
             picked.add(key)
