@@ -334,6 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.breakdown:
         timed = run_lockstep(arrivals, args, breakdown=True)
         out["hook_us_per_step"] = {v: timed[v]["hook_us_per_step"] for v in timed if "hook_us_per_step" in timed[v]}
+        # The rest of a connector's overhead in that run: vLLM's own work for a connector (the same for any
+        # connector) and what a connector's decisions change in vLLM's (hits, loads, preemptions).
+        base = timed["none"]["us_per_step"]
+        out["outside_hooks_us_per_step"] = {v: round(timed[v]["us_per_step"] - base - sum(hooks.values()), 1)
+                                            for v, hooks in out["hook_us_per_step"].items()}
     ok = not any(r["problems"] for r in results.values())
     if args.json:
         print(json.dumps(out, indent=2))

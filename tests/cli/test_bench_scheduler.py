@@ -39,6 +39,17 @@ def test_like_with_like_runs_both_modes_of_both_connectors(capsys: pytest.Captur
                                           + out["variants"]["simple"]["cpu_hit_tokens"])
 
 
+def test_the_breakdown_splits_each_connectors_overhead_into_its_hooks_and_the_rest(
+        capsys: pytest.CaptureFixture) -> None:
+    assert bench_scheduler.main(SHORT + ["--breakdown"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    hooks, outside = out["hook_us_per_step"], out["outside_hooks_us_per_step"]
+    assert set(hooks) == set(outside) == {"simple", "ours"}
+    for variant in ("simple", "ours"):
+        assert hooks[variant]["build_connector_meta"] > 0 and hooks[variant]["update_state_after_alloc"] > 0
+        assert isinstance(outside[variant], float)
+
+
 def test_like_with_like_refuses_a_mode_flag() -> None:
     with pytest.raises(SystemExit):
         bench_scheduler.main(SHORT + ["--like-with-like", "--simple-lazy"])
