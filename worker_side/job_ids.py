@@ -29,14 +29,18 @@ class IdChecks:
                                        "block ids (scheduler bug)")
         src_a, dst_a = id_array(src), id_array(dst)
         for ids, limit, what in ((src_a, src_limit, "source"), (dst_a, dst_limit, "destination")):
-            if len(ids) and (ids.min() < 1 or ids.max() >= limit):
-                bad = ids[(ids < 1) | (ids >= limit)]
+            bad = outside(ids, limit)
+            if bad is not None:
                 raise WorkerInvariantError(f"{kind} event {event_id}: {what} block ids {bad[:8].tolist()} outside "
                                            f"[1, {limit}) (block 0 is the null block; scheduler bug)")
         if self.has_duplicates(dst_a, dst_limit):
             raise WorkerInvariantError(f"{kind} event {event_id}: a destination block appears twice in "
                                        f"{dst_a.tolist()[:32]} (scheduler bug)")
         return src_a, dst_a
+
+    def valid_destinations(self, ids: np.ndarray, limit: int) -> bool:
+        """Every id in [1, limit) and none twice (`checked`'s rule for a destination list)."""
+        return outside(ids, limit) is None and not self.has_duplicates(ids, limit)
 
     def has_duplicates(self, ids: np.ndarray, limit: int) -> bool:
         """O(n) without sorting: write each id's position into a scratch array indexed by id, read it back."""
@@ -46,6 +50,13 @@ class IdChecks:
         positions = np.arange(len(ids))
         scratch[ids] = positions
         return bool((scratch[ids] != positions).any())
+
+
+def outside(ids: np.ndarray, limit: int) -> np.ndarray | None:
+    """The ids outside [1, limit) (block 0 is the null block), or None when every id lies inside."""
+    if len(ids) and (ids.min() < 1 or ids.max() >= limit):
+        return ids[(ids < 1) | (ids >= limit)]
+    return None
 
 
 def id_array(ids: Sequence[int]) -> np.ndarray:

@@ -189,8 +189,7 @@ class OffloadWorker:
         ios, limit = [self._tier_io(ops) for ops in tiers], self._require_pool().num_blocks
         for ops in tiers:
             ids = np.asarray(ops.fetch_cpu_blocks, np.int64)
-            if len(ids) != len(ops.fetch_keys) or (len(ids) and (ids.min() < 1 or ids.max() >= limit)) \
-                    or self._ids.has_duplicates(ids, limit):
+            if len(ids) != len(ops.fetch_keys) or not self._ids.valid_destinations(ids, limit):
                 raise WorkerInvariantError(f"{ops.tier} fetch event {ops.fetch_event}: CPU blocks {ids.tolist()[:32]} "
                                            f"must be distinct, in [1, {limit}), one per key (scheduler bug)")
         for ops, io in zip(tiers, ios, strict=True):

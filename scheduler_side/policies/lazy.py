@@ -129,7 +129,7 @@ class LazyStorePolicy(StorePolicy):
         """The lookup's first miss (the block after its GPU and CPU hits) is a recently evicted copy."""
         i = state.num_gpu_hit_blocks + num_cpu_hit_blocks
         request = state.request
-        if self._evicted is None or i >= min(len(request.block_hashes), (request.num_tokens - 1) // self.view.block_size):
+        if self._evicted is None or i >= min(len(request.block_hashes), (request.num_tokens - 1) // self._block_size):
             return False  # (the hit reaches as far as a lookup looks: no miss)
         return with_group_id(request.block_hashes[i], self.view.group_id) in self._evicted
 
@@ -151,7 +151,7 @@ class LazyStorePolicy(StorePolicy):
         self._admit_alloc = max(self._admit_alloc, len(state.gpu_block_ids) - num_gpu_hit_blocks)
         self._head.take(state.gpu_block_ids)  # its new blocks left the free queue's head, its GPU hits the queue
         if state.pending_hit is not None:  # a CPU hit, loaded first: its prompt's rest is allocated after
-            self._pending += max(0, -(-state.request.num_tokens // self.view.block_size) - len(state.gpu_block_ids))
+            self._pending += max(0, -(-state.request.num_tokens // self._block_size) - len(state.gpu_block_ids))
         if not num_gpu_hit_blocks or not self._cpu_under_pressure:
             return []
         suffix = self._suffix
@@ -211,7 +211,7 @@ class LazyStorePolicy(StorePolicy):
             self._deferred[state.request_id] = (deferred_at, in_a_row + 1)
             return False
         view = self.view
-        rest = -(-state.request.num_tokens // view.block_size) - state.num_gpu_hit_blocks - num_cpu_hit_blocks
+        rest = -(-state.request.num_tokens // self._block_size) - state.num_gpu_hit_blocks - num_cpu_hit_blocks
         bound = view.max_blocks_per_step
         need = num_cpu_hit_blocks + (rest if bound is None else min(rest, bound))
         if need <= 0:
