@@ -12,7 +12,9 @@ One JSON object (scripts/gpu_check.sh saves it as bench_cuda.json):
   (scattered ids).
 - `forward_slowdown`: a bf16 matmul loop on the compute stream, timed alone and while stores and loads of
   scattered 32 KiB segments run, per path: `matmul_slowdown` (median of adjacent pairs) is what our copies
-  cost the forward, `copy_slowdown` what the forward costs the copies.
+  cost the forward, `copy_slowdown` what the forward costs the copies. `contiguous_copy` is the floor: the
+  same bytes as plain pinned `copy_` calls, one side stream per direction (any copy's DMA contends for HBM);
+  `matmul_slowdown_over_copy` is each path's slowdown divided by that floor's, what our path adds to it.
 - `submit_us`: host time of one `start_store` / `start_load` call (the engine thread's cost), 1 to 64 blocks
   of 32 KiB segments and 512 of 4 KiB, and the part of it before the first copy call reached the runtime.
 - `round_trip`: random jobs through the default configuration on a 32-layer Llama-8B-shaped cache
@@ -244,6 +246,10 @@ def forward_slowdown(batch_bytes: int, reps: int, rng: random.Random, repeat: in
     one_matmul_s = mm.seconds(20) / 20
     out: dict = {"segment_bytes": segment, "layers": layers, "num_blocks": n, "jobs_each_way": repeat,
                  "rounds": rounds, "matmul": f"{MATMUL_N}x{MATMUL_N} bf16", "one_matmul_ms": round(one_matmul_s * 1e3, 3)}
+    try:  # the floor: what plain copies of the same bytes cost the same loop
+        out["contiguous_copy"] = copy_floor(n * block, mm, one_matmul_s, rounds, repeat)
+    except Exception as exc:
+        out["contiguous_copy"] = {"error": f"{type(exc).__name__}: {exc}"}
     kvs = {layout: make_kv(layout, segment, layers, pool) for layout in LAYOUTS}
     for name, (layout, policy, extra) in SLOWDOWN_CASES.items():
         try:
@@ -251,6 +257,11 @@ def forward_slowdown(batch_bytes: int, reps: int, rng: random.Random, repeat: in
                                       rounds, repeat, n * block)
         except Exception as exc:
             out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    floor = out["contiguous_copy"].get("matmul_slowdown")
+    if floor:
+        for name in SLOWDOWN_CASES:
+            if "matmul_slowdown" in out[name]:
+                out[name]["matmul_slowdown_over_copy"] = round(out[name]["matmul_slowdown"] / floor, 4)
     return out
 
 
@@ -269,46 +280,83 @@ def slowdown_case(kv: dict[str, torch.Tensor], pool: int, policy: str, extra: di
                 jobs.store(*store_ids)
                 jobs.load(*load_ids)
 
-        copies()
-        jobs.finish()
-        t0 = time.perf_counter()
-        copies()
-        submit_s = time.perf_counter() - t0
-        jobs.finish()
-        torch.cuda.synchronize()
-        copy_alone = time.perf_counter() - t0
-        # the loop starts once the copies are submitted and ends before they would end alone
-        k = max(4, round(0.8 * (copy_alone - submit_s) / one_matmul_s))
-        ratios, copy_ratio = [], []
-
-        def alone() -> float:
-            mm.launch(2)  # untimed: the clocks are up when the timed loop starts, as beside the copies
-            return mm.seconds(k)
-
-        def together() -> float:  # copies first: their fences precede the loop, which then runs beside them
-            t0 = time.perf_counter()
-            copies()
-            start, end = mm.launch(k)
-            jobs.finish()
-            copy_ratio.append((time.perf_counter() - t0) / copy_alone)
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-
-        for r in range(rounds):  # the pair's order alternates: drift within a pair cancels over the rounds
-            if r % 2 == 0:
-                a = alone()
-                ratios.append(together() / a)
-            else:
-                t = together()
-                ratios.append(t / alone())
-        gb = 2 * repeat * job_bytes / 1e9
-        return {"matmuls": k, "matmul_slowdown": round(statistics.median(ratios), 4),
-                "matmul_slowdown_range": [round(min(ratios), 4), round(max(ratios), 4)],
-                "copies_alone_ms": round(copy_alone * 1e3, 3), "copies_gbps_alone": round(gb / copy_alone, 2),
-                "submit_ms": round(submit_s * 1e3, 3), "copy_slowdown": round(statistics.median(copy_ratio), 3),
-                **describe_backend(worker)}
+        row = beside_matmuls(copies, jobs.finish, mm, one_matmul_s, rounds, 2 * repeat * job_bytes)
+        return {**row, **describe_backend(worker)}
     finally:
         worker.shutdown()
+
+
+class ContiguousCopies:
+    """The floor of `forward_slowdown`: the same bytes as plain `copy_` calls between one pinned host buffer
+    and one device buffer per direction, stores (device to host) and loads (host to device) each on its own
+    side stream, no code of ours. Whatever any copy costs the forward (the DMA reads or writes HBM too)."""
+
+    def __init__(self, job_bytes: int) -> None:
+        self.host = [torch.empty(job_bytes, dtype=torch.uint8).pin_memory() for _ in range(2)]
+        self.dev = [torch.randint(0, 256, (job_bytes,), dtype=torch.uint8, device="cuda") for _ in range(2)]
+        self.streams = (torch.cuda.Stream(), torch.cuda.Stream())  # (pool streams: they never wait on the compute stream)
+        torch.cuda.synchronize()
+
+    def submit(self, repeat: int) -> None:
+        for _ in range(repeat):
+            with torch.cuda.stream(self.streams[0]):
+                self.host[0].copy_(self.dev[0], non_blocking=True)
+            with torch.cuda.stream(self.streams[1]):
+                self.dev[1].copy_(self.host[1], non_blocking=True)
+
+    def finish(self) -> None:
+        for stream in self.streams:
+            stream.synchronize()
+
+
+def copy_floor(job_bytes: int, mm: Matmuls, one_matmul_s: float, rounds: int, repeat: int) -> dict:
+    """`beside_matmuls` for `ContiguousCopies` of `repeat` jobs of `job_bytes` each way (freed on return)."""
+    copies = ContiguousCopies(job_bytes)
+    return beside_matmuls(lambda: copies.submit(repeat), copies.finish, mm, one_matmul_s, rounds,
+                          2 * repeat * job_bytes)
+
+
+def beside_matmuls(copies: Callable[[], None], finish: Callable[[], object], mm: Matmuls, one_matmul_s: float,
+                   rounds: int, total_bytes: int) -> dict:
+    """`copies()` submits a step's copies, `finish()` waits for them. In `rounds` adjacent pairs (a matmul loop
+    alone, then beside the copies, the order alternating), the median ratio of the loop's times
+    (`matmul_slowdown`) and of the copies' wall times beside the loop and alone (`copy_slowdown`)."""
+    copies()
+    finish()
+    t0 = time.perf_counter()
+    copies()
+    submit_s = time.perf_counter() - t0
+    finish()
+    torch.cuda.synchronize()
+    copy_alone = time.perf_counter() - t0
+    # the loop starts once the copies are submitted and ends before they would end alone
+    k = max(4, round(0.8 * (copy_alone - submit_s) / one_matmul_s))
+    ratios, copy_ratio = [], []
+
+    def alone() -> float:
+        mm.launch(2)  # untimed: the clocks are up when the timed loop starts, as beside the copies
+        return mm.seconds(k)
+
+    def together() -> float:  # copies first: their fences precede the loop, which then runs beside them
+        t0 = time.perf_counter()
+        copies()
+        start, end = mm.launch(k)
+        finish()
+        copy_ratio.append((time.perf_counter() - t0) / copy_alone)
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    for r in range(rounds):  # the pair's order alternates: drift within a pair cancels over the rounds
+        if r % 2 == 0:
+            a = alone()
+            ratios.append(together() / a)
+        else:
+            t = together()
+            ratios.append(t / alone())
+    return {"matmuls": k, "matmul_slowdown": round(statistics.median(ratios), 4),
+            "matmul_slowdown_range": [round(min(ratios), 4), round(max(ratios), 4)],
+            "copies_alone_ms": round(copy_alone * 1e3, 3), "copies_gbps_alone": round(total_bytes / 1e9 / copy_alone, 2),
+            "submit_ms": round(submit_s * 1e3, 3), "copy_slowdown": round(statistics.median(copy_ratio), 3)}
 
 
 SUBMIT_CASES = {"1": (32 << 10, 1), "8": (32 << 10, 8), "64": (32 << 10, 64), "4KiB_512": (4 << 10, 512)}

@@ -43,7 +43,9 @@ def report(data: dict) -> list[str]:
                 lines.append(f"{name:>24}: error {row['error'][:200]}")
             else:
                 lo, hi = row.get("matmul_slowdown_range", [0, 0])
-                lines.append(f"{name:>24}: matmul x{row['matmul_slowdown']:.4f} [{lo:.3f}, {hi:.3f}]  copies "
+                over = row.get("matmul_slowdown_over_copy")
+                over_text = f" (x{over:.4f} over copy_)" if over is not None else ""
+                lines.append(f"{name:>24}: matmul x{row['matmul_slowdown']:.4f} [{lo:.3f}, {hi:.3f}]{over_text}  copies "
                              f"{row['copies_gbps_alone']} GB/s (x{row['copy_slowdown']:.3f} beside the matmul), "
                              f"submitted in {row.get('submit_ms')} ms")
     for layout, row in data.get("round_trip", {}).items():
