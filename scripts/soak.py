@@ -25,14 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 for sub in ("tests", "tests/scheduler", "tests/remote", "tests/disk", "tests/engine"):
     sys.path.insert(0, str(ROOT / sub))
 
-# name: (module, state machine class, the step count its test runs with)
+# name: (the test module that sets its CI settings, the module of the state machine, its class)
 MACHINES = {
-    "scheduler": ("scheduler_machine", "SchedulerMachine", 40),
-    "remote": ("test_remote_state_machine", "RemoteMachine", 60),
-    "arc": ("test_arc_queue", "ArcPoolMachine", 40),
-    "disk_index": ("test_disk_index", "IndexMachine", 30),
+    "scheduler": ("test_scheduler_state_machine", "scheduler_machine", "SchedulerMachine"),
+    "remote": ("test_remote_state_machine", "test_remote_state_machine", "RemoteMachine"),
+    "arc": ("test_arc_queue", "test_arc_queue", "ArcPoolMachine"),
+    "disk_index": ("test_disk_index", "test_disk_index", "IndexMachine"),
 }
-CI_EXAMPLES = {"scheduler": 150, "remote": 150, "arc": 150, "disk_index": 40}
 
 
 def integrity_args(rng: random.Random) -> dict:
@@ -59,10 +58,12 @@ def soak_machine(name: str, scale: int, seed: int) -> None:
     from hypothesis import HealthCheck, settings
     from hypothesis.stateful import run_state_machine_as_test
 
-    module, cls, steps = MACHINES[name]
+    test_module, module, cls = MACHINES[name]
+    __import__(test_module)  # (sets the machine's `TestCase.settings`: what CI runs)
     machine = getattr(__import__(module), cls)
-    config = settings(max_examples=scale * CI_EXAMPLES[name], stateful_step_count=2 * steps, deadline=None,
-                      suppress_health_check=list(HealthCheck), database=None)
+    ci = machine.TestCase.settings
+    config = settings(max_examples=scale * ci.max_examples, stateful_step_count=2 * ci.stateful_step_count,
+                      deadline=None, suppress_health_check=list(HealthCheck), database=None)
     hypothesis.seed(seed)(lambda: run_state_machine_as_test(machine, settings=config))()
 
 
